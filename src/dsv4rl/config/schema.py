@@ -1,0 +1,353 @@
+"""The recipe schema: every key a recipe may set, with its type and default.
+
+Recipes are YAML composed by Hydra; the composed tree is merged into these dataclasses
+(OmegaConf structured configs), so an unknown key or a wrongly typed value is rejected
+before any process starts. Cross-field rules (parallel layouts, sizes) live in
+`dsv4rl.config.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+class TrainBackend(str, Enum):
+    fsdp = "fsdp"
+    megatron = "megatron"
+
+
+class RolloutEngineKind(str, Enum):
+    reference = "reference"  # dsv4rl's CPU reference engine (same HTTP protocol as SGLang)
+    sglang = "sglang"
+
+
+class CommBackend(str, Enum):
+    gloo = "gloo"
+    nccl = "nccl"  # RCCL on ROCm builds of torch
+
+
+class Dtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class RecomputeMode(str, Enum):
+    none = "none"
+    full = "full"
+    selective = "selective"
+
+
+class WeightFormat(str, Enum):
+    """What the rollout engine is sent: the trainer's dtype, or the checkpoint's FP8 format."""
+
+    same = "same"
+    bf16 = "bf16"
+    fp8 = "fp8"
+
+
+class ExpertFormat(str, Enum):
+    same = "same"
+    fp8 = "fp8"
+    fp4 = "fp4"
+
+
+class LossAggregation(str, Enum):
+    token_mean = "token_mean"  # DAPO: every token of the batch weighs the same
+    seq_mean_token_mean = "seq_mean_token_mean"  # original GRPO: mean per sequence, then over sequences
+    seq_mean_token_sum = "seq_mean_token_sum"  # Dr.GRPO-style constant normaliser
+
+
+class KLEstimator(str, Enum):
+    k1 = "k1"
+    k2 = "k2"
+    k3 = "k3"  # low-variance estimator
+
+
+class ClusterKind(str, Enum):
+    local = "local"
+    slurm = "slurm"
+
+
+@dataclass
+class TinyModelConfig:
+    """A tiny DeepseekV4ForCausalLM covering every layer type (sliding, CSA, HCA; hash and score MoE)."""
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    q_lora_rank: int = 32
+    o_groups: int = 2
+    o_lora_rank: int = 16
+    moe_intermediate_size: int = 32
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2
+    layer_types: list[str] = field(
+        default_factory=lambda: [
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+        ]
+    )
+    mlp_layer_types: list[str] = field(default_factory=lambda: ["hash_moe", "moe", "moe"])
+    sliding_window: int = 8
+    csa_compress_rate: int = 4
+    # HCA's checkpoint rate is 128; short sequences need a small rate or HCA emits no entry at all.
+    hca_compress_rate: int = 4
+    index_n_heads: int = 2
+    index_head_dim: int = 16
+    # Keep index_topk >= max sequence length / csa_compress_rate: then cached decoding equals a full forward.
+    index_topk: int = 16
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    max_position_embeddings: int = 1024
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny_dsv4"
+    # Hugging Face model directory. null: build the tiny model from `tiny` with `init_seed`.
+    path: str | None = None
+    tokenizer: str = "arith_chars"  # "arith_chars" (built by dsv4rl) or a tokenizer directory
+    dtype: Dtype = Dtype.float32
+    init_seed: int = 0
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    # Facts about a full-size model (used for planning and memory estimates; not for the tiny model).
+    total_params_b: float | None = None
+    active_params_b: float | None = None
+    num_hidden_layers: int | None = None
+    n_routed_experts: int | None = None
+
+
+@dataclass
+class TrainParallelConfig:
+    backend: TrainBackend = TrainBackend.fsdp
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    expert_parallel: int = 1
+    expert_tensor_parallel: int = 1
+    context_parallel: int = 1
+    # Layers on the last pipeline stage (null: even split).
+    last_stage_layers: int | None = None
+    recompute: RecomputeMode = RecomputeMode.none
+    recompute_granularity_layers: int = 1
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0
+    precision_aware_optimizer: bool = False
+
+
+@dataclass
+class RolloutParallelConfig:
+    engine: RolloutEngineKind = RolloutEngineKind.reference
+    num_engines: int = 1
+    gpus_per_engine: int = 0  # 0 on CPU
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    data_parallel: int = 1
+    nnodes: int = 0  # nodes given to rollout in a disaggregated layout (0: same nodes as training)
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    watchdog_timeout_s: float = 300.0
+
+
+@dataclass
+class ParallelConfig:
+    colocate: bool = False
+    train: TrainParallelConfig = field(default_factory=TrainParallelConfig)
+    rollout: RolloutParallelConfig = field(default_factory=RolloutParallelConfig)
+
+
+@dataclass
+class CommConfig:
+    """Collective backend and the environment preset given to every training and rollout process."""
+
+    name: str = "cpu_gloo"
+    backend: CommBackend = CommBackend.gloo
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class QuantConfig:
+    name: str = "none"
+    rollout_weights: WeightFormat = WeightFormat.same
+    expert_weights: ExpertFormat = ExpertFormat.same
+    block_size: list[int] = field(default_factory=lambda: [128, 128])
+    scale_fmt: str = "ue8m0"
+
+
+@dataclass
+class TISConfig:
+    enabled: bool = False
+    clip: float = 2.0
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO: drop groups whose rewards are all equal, over-sample to refill the batch."""
+
+    enabled: bool = False
+    max_oversample_factor: float = 3.0
+
+
+@dataclass
+class OverlongConfig:
+    """DAPO soft overlong punishment: penalty grows linearly to `penalty` over the buffer."""
+
+    enabled: bool = False
+    expected_len: int = 16384
+    buffer_len: int = 4096
+    penalty: float = 1.0
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "grpo"
+    prompts_per_step: int = 16
+    group_size: int = 8  # responses per prompt
+    normalize_std: bool = True  # false: Dr.GRPO (no division by the group std)
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.28
+    loss_aggregation: LossAggregation = LossAggregation.token_mean
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = KLEstimator.k3
+    entropy_coef: float = 0.0
+    updates_per_step: int = 1  # optimizer steps (mini-batches) per rollout batch
+    tis: TISConfig = field(default_factory=TISConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class ArithDataConfig:
+    """Procedural arithmetic problems (tiny_arith)."""
+
+    max_operand: int = 4
+    ops: list[str] = field(default_factory=lambda: ["+"])
+    max_answer: int = 9
+
+
+@dataclass
+class DataConfig:
+    name: str = "tiny_arith"  # tiny_arith | dapo_math | aime24 | math500 | gsm8k
+    path: str | None = None  # jsonl or parquet; null for procedural data
+    prompt_key: str = "prompt"
+    answer_key: str = "reward_model.ground_truth"
+    shuffle: bool = True
+    max_prompt_len: int = 1024
+    arith: ArithDataConfig = field(default_factory=ArithDataConfig)
+
+
+@dataclass
+class RewardConfig:
+    grader: str = "arith"  # arith | dapo | boxed | math_verify
+    timeout_s: float = 5.0
+    correct: float = 1.0
+    incorrect: float = 0.0
+
+
+@dataclass
+class EvalConfig:
+    name: str = "none"
+    dataset: str | None = None  # path to a jsonl file (aime24.jsonl, ...)
+    grader: str = "math_verify"
+    samples_per_problem: int = 8
+    k: list[int] = field(default_factory=lambda: [1, 8])
+    every_steps: int = 0  # 0: no periodic evaluation
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    micro_batch_size: int = 64  # sequences per forward/backward
+    checkpoint_every: int = 0  # 0: never
+    keep_checkpoints: int = 2
+    log_every: int = 1
+
+
+@dataclass
+class SyncConfig:
+    bucket_bytes: int = 1 << 30
+    group_name: str = "weight_update_group"
+    # Names sent to the engine: "native" (DeepSeek checkpoint names) or "hf" (transformers names).
+    naming: str = "native"
+    pause_mode: str = "retract"  # abort | retract | in_place
+    timeout_s: float = 600.0
+
+
+@dataclass
+class EngineConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000  # engine i listens on port + i
+    max_batch_size: int = 256
+    startup_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
+    max_concurrency: int = 64  # in-flight /generate requests per engine from the rollout client
+    retries: int = 2
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ClusterConfig:
+    kind: ClusterKind = ClusterKind.local
+    nnodes: int = 1
+    node_rank: int = 0
+    gpus_per_node: int = 0  # 0: CPU
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    weight_sync_port: int = 29600
+    partition: str | None = None
+    account: str | None = None
+    time_limit: str | None = None
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    name: str | None = None
+    progress: bool = True  # live rich display in the supervisor
+
+
+@dataclass
+class Config:
+    recipe: str = "custom"
+    seed: int = 0
+    resume: bool = False
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
