@@ -9,35 +9,36 @@ before any process starts. Cross-field rules (parallel layouts, sizes) live in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
-class TrainBackend(str, Enum):
+
+class TrainBackend(StrEnum):
     fsdp = "fsdp"
     megatron = "megatron"
 
 
-class RolloutEngineKind(str, Enum):
+class RolloutEngineKind(StrEnum):
     reference = "reference"  # dsv4rl's CPU reference engine (same HTTP protocol as SGLang)
     sglang = "sglang"
 
 
-class CommBackend(str, Enum):
+class CommBackend(StrEnum):
     gloo = "gloo"
     nccl = "nccl"  # RCCL on ROCm builds of torch
 
 
-class Dtype(str, Enum):
+class Dtype(StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
 
 
-class RecomputeMode(str, Enum):
+class RecomputeMode(StrEnum):
     none = "none"
     full = "full"
     selective = "selective"
 
 
-class WeightFormat(str, Enum):
+class WeightFormat(StrEnum):
     """What the rollout engine is sent: the trainer's dtype, or the checkpoint's FP8 format."""
 
     same = "same"
@@ -45,25 +46,25 @@ class WeightFormat(str, Enum):
     fp8 = "fp8"
 
 
-class ExpertFormat(str, Enum):
+class ExpertFormat(StrEnum):
     same = "same"
     fp8 = "fp8"
     fp4 = "fp4"
 
 
-class LossAggregation(str, Enum):
+class LossAggregation(StrEnum):
     token_mean = "token_mean"  # DAPO: every token of the batch weighs the same
     seq_mean_token_mean = "seq_mean_token_mean"  # original GRPO: mean per sequence, then over sequences
     seq_mean_token_sum = "seq_mean_token_sum"  # Dr.GRPO-style constant normaliser
 
 
-class KLEstimator(str, Enum):
+class KLEstimator(StrEnum):
     k1 = "k1"
     k2 = "k2"
     k3 = "k3"  # low-variance estimator
 
 
-class ClusterKind(str, Enum):
+class ClusterKind(StrEnum):
     local = "local"
     slurm = "slurm"
 

@@ -67,7 +67,7 @@ def tiny_hf_config(tiny: TinyModelConfig, vocab_size: int) -> DeepseekV4Config:
 
 @torch.no_grad()
 def randomize_hash_routing(model: DeepseekV4ForCausalLM, generator: torch.Generator) -> None:
-    """transformers initialises tid2eid to zeros (every token -> expert 0): give each token k distinct experts."""
+    """HF starts tid2eid at zeros (every token -> expert 0): give each token k distinct experts."""
     config = model.config
     for layer in model.model.layers:
         table = getattr(layer.mlp.gate, "tid2eid", None)

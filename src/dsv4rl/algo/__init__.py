@@ -1,0 +1,1 @@
+"""GRPO / DAPO maths as pure tensor functions (no model, no distributed state)."""

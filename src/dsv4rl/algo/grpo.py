@@ -1,0 +1,167 @@
+"""GRPO maths: group-relative advantages, token log-probs, the clipped policy loss, KL and TIS.
+
+Conventions (see .plan/INTERFACES.md): for `input_ids [B, T]`, per-token tensors are `[B, T-1]` and
+position t scores the target `input_ids[:, t+1]`; `loss_mask` is 1.0 on response tokens. Everything is
+computed in float32 whatever the logits' dtype.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+_MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: bounds ratios so one wild token cannot produce inf/nan
+
+
+def _name(value: str | Enum) -> str:
+    return value.value if isinstance(value, Enum) else str(value)
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """A_i = (r_i - mean_g) / (std_g + eps) over contiguous groups of `group_size` responses.
+
+    std is the unbiased sample std (torch.std, Bessel-corrected), as the GRPO reference implementations
+    use; a group of one has std 0 (its advantage is 0). `normalize_std=False` is Dr.GRPO: A_i = r_i - mean_g.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [num_groups * group_size], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.detach().float().view(-1, group_size)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std:
+        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped[:, :1])
+        centered = centered / (std + eps)
+    return centered.reshape(-1)
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits[:, :-1] / T) at input_ids[:, 1:] -> [B, T-1], float32, differentiable.
+
+    Rows are done one at a time (gather minus logsumexp), so the float32 copy of the logits is one row
+    [T, V] at a time, never the whole [B, T, V] log-softmax. temperature 0 (greedy) means unscaled.
+    """
+    if logits.dim() != 3 or input_ids.shape != logits.shape[:2]:
+        raise ValueError(f"logits [B, T, V] and input_ids [B, T] expected, got {tuple(logits.shape)} and "
+                         f"{tuple(input_ids.shape)}")  # fmt: skip
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    scale = 1.0 / temperature if temperature > 0 else 1.0
+    rows = []
+    for b in range(logits.shape[0]):
+        row = logits[b, :-1].float()
+        if scale != 1.0:
+            row = row * scale
+        target = input_ids[b, 1:].unsqueeze(-1)
+        rows.append(row.gather(-1, target).squeeze(-1) - torch.logsumexp(row, dim=-1))
+    return torch.stack(rows)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) at every position -> [B, T] float32 (H = logsumexp(l) - sum p*l)."""
+    rows = []
+    for b in range(logits.shape[0]):
+        row = logits[b].float()
+        probs = torch.softmax(row, dim=-1)
+        weighted = torch.where(probs > 0, probs * row, torch.zeros_like(row))  # 0 * -inf logits -> 0
+        rows.append(torch.logsumexp(row, dim=-1) - weighted.sum(dim=-1))
+    return torch.stack(rows)
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: str | Enum, max_len: int | None = None) -> Tensor:
+    """Reduce per-token values [B, L] over the masked tokens to a scalar.
+
+    token_mean: sum(v*m) / sum(m) (DAPO: every token weighs the same).
+    seq_mean_token_mean: mean over sequences of each sequence's token mean (original GRPO); sequences
+      without any masked token are left out.
+    seq_mean_token_sum: mean over sequences of sum(v*m) / max_len (Dr.GRPO: a constant normaliser, so
+      long responses are not down-weighted); max_len defaults to L, pass the response cap to make it
+      constant across batches.
+    An all-zero mask gives 0 (with the graph kept, so backward still works).
+    """
+    mode = _name(mode)
+    mask = mask.to(values.dtype)
+    masked = values * mask
+    if mode == "token_mean":
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    if mode == "seq_mean_token_mean":
+        counts = mask.sum(dim=-1)
+        per_seq = masked.sum(dim=-1) / counts.clamp(min=1.0)
+        has_tokens = (counts > 0).to(values.dtype)
+        return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
+    if mode == "seq_mean_token_sum":
+        norm = float(max_len if max_len is not None else values.shape[-1])
+        return (masked.sum(dim=-1) / norm).mean()
+    raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {list(AGGREGATIONS)}")
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    eps_clip_low: float,
+    eps_clip_high: float,
+    aggregation: str | Enum = "token_mean",
+    tis_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO-clip surrogate with asymmetric clipping (DAPO clip-higher), optionally TIS-weighted.
+
+    ratio = exp(logp - old); per token pg = -min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A), times
+    the detached TIS weight if given; reduced with `aggregate`. `advantages` is per sequence [B] or per
+    token [B, L]. Metrics: clipfrac (fraction of masked tokens where the clipped branch is the active
+    one, i.e. the gradient is cut), ratio_mean (masked mean ratio).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    advantages = advantages.detach().to(logprobs.dtype)
+    log_ratio = (logprobs - old_logprobs.detach()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1.0 - eps_clip_low, 1.0 + eps_clip_high) * advantages
+    pg = torch.maximum(unclipped, clipped)
+    if tis_weights is not None:
+        pg = pg * tis_weights.detach()
+    loss = aggregate(pg, loss_mask, aggregation)
+    with torch.no_grad():
+        mask = loss_mask.to(torch.float32)
+        denom = mask.sum().clamp(min=1.0)
+        clipfrac = ((clipped > unclipped).float() * mask).sum() / denom
+        ratio_mean = (ratio.float() * mask).sum() / denom
+    return loss, {"clipfrac": float(clipfrac), "ratio_mean": float(ratio_mean)}
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str | Enum = "k3") -> Tensor:
+    """Per-token KL(pi || ref) estimate from sampled tokens (Schulman's k1/k2/k3).
+
+    k1 = logp - ref; k2 = (logp - ref)^2 / 2; k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, >= 0,
+    low variance), with the log ratio clamped to +-20 and k3 to [-10, 10] for stability.
+    """
+    estimator = _name(estimator)
+    log_ratio = logprobs.float() - ref_logprobs.float()
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        neg = (-log_ratio).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return (torch.exp(neg) - neg - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {list(KL_ESTIMATORS)}")
+
+
+def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, clip: float) -> Tensor:
+    """Truncated importance sampling: min(exp(old - rollout), clip), detached.
+
+    Corrects for the rollout engine sampling from a slightly different distribution than the trainer
+    computes (`old` = trainer log-probs of the sampled tokens before the update).
+    """
+    if clip <= 0:
+        raise ValueError(f"TIS clip must be > 0 (algo.tis.clip), got {clip}")
+    log_ratio = (old_logprobs.float() - rollout_logprobs.float()).clamp(max=_MAX_LOG_RATIO)
+    return torch.exp(log_ratio).clamp(max=clip).detach()

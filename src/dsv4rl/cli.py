@@ -1,0 +1,136 @@
+"""The `dsv4rl` command line: compose a recipe, validate it, hand it to the node supervisor.
+
+Kept thin on purpose: composition and validation live in `dsv4rl.config`, process management in
+`dsv4rl.launcher`. A bad recipe or override prints one red message and exits 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from dsv4rl.config.compose import (
+    ConfigError,
+    compose,
+    describe,
+    find_recipes_dir,
+    list_groups,
+    list_recipes,
+    to_yaml,
+)
+from dsv4rl.config.validate import validate
+
+app = typer.Typer(
+    name="dsv4rl",
+    help="GRPO/DAPO post-training of DeepSeek-V4 MoE models: SGLang rollouts, FSDP/Megatron training, "
+    "checkpoint-free weight sync.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+EXIT_CONFIG = 2
+
+
+def _fail(message: str) -> typer.Exit:
+    Console(stderr=True).print(Text(f"error: {message}", style="red"), soft_wrap=True)
+    return typer.Exit(code=EXIT_CONFIG)
+
+
+def _print_yaml(text: str) -> None:
+    """Highlighted on a terminal; plain (exact, uncropped YAML) when piped to a file."""
+    console = Console()
+    if console.is_terminal:
+        console.print(Syntax(text, "yaml", background_color="default", word_wrap=True))
+    else:
+        typer.echo(text, nl=False)
+
+
+def _split_recipe(args: list[str]) -> tuple[str, list[str]]:
+    """Take `recipe=NAME` out of the Hydra-style arguments."""
+    recipes = [a for a in args if a.startswith("recipe=")]
+    rest = [a for a in args if not a.startswith("recipe=")]
+    if not recipes:
+        raise ConfigError(
+            f"no recipe given: pass recipe=NAME (available: {', '.join(list_recipes())}), "
+            "e.g. `dsv4rl train recipe=tiny_arith`"
+        )
+    if len(recipes) > 1:
+        raise ConfigError(f"recipe= given {len(recipes)} times ({', '.join(recipes)}); pass it once")
+    return recipes[0].removeprefix("recipe="), rest
+
+
+@app.command()
+def train(
+    args: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="recipe=NAME [OVERRIDES]...",
+            help="recipe=NAME then Hydra overrides: key=value, +key=value, group=option "
+            "(e.g. run.dir=runs/demo algo.group_size=4 parallel=cpu_fsdp2 resume=true).",
+            show_default=False,
+        ),
+    ] = None,
+    print_config: Annotated[
+        bool,
+        typer.Option(
+            "--cfg", "--print-config", help="Print the composed config and exit (no path checks, no run)."
+        ),
+    ] = False,
+) -> None:
+    """Compose and validate a recipe, then start this node's share of the run."""
+    try:
+        recipe, overrides = _split_recipe(list(args or []))
+        cfg = compose(recipe, overrides)
+        if print_config:
+            _print_yaml(to_yaml(cfg))
+            validate(cfg, check_paths=False)
+            raise typer.Exit(code=0)
+        validate(cfg, check_paths=True)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+
+    from dsv4rl.launcher.supervisor import run_training  # heavy imports only when a run starts
+
+    try:
+        code = run_training(cfg)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    except KeyboardInterrupt:
+        code = 130
+    raise typer.Exit(code=int(code))
+
+
+@app.command("recipes")
+def recipes_command() -> None:
+    """List the recipes and the options of every config group."""
+    try:
+        root = find_recipes_dir()
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    console = Console()
+    table = Table(title=f"recipes ({root})", show_lines=False)
+    table.add_column("recipe", style="bold")
+    table.add_column("description")
+    for name in list_recipes(root):
+        table.add_row(name, describe(root / f"{name}.yaml"))
+    console.print(table)
+    groups = Table(title="config groups (override with group=option)")
+    groups.add_column("group", style="bold")
+    groups.add_column("options")
+    for group, options in list_groups(root).items():
+        groups.add_row(group, ", ".join(options))
+    console.print(groups)
+
+
+def main() -> None:  # pragma: no cover - `python -m dsv4rl.cli`
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

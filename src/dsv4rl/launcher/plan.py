@@ -1,0 +1,311 @@
+"""The processes this node runs for a recipe: rollout engines and the trainer, with commands, env and ports.
+
+A plan is data (`ProcessSpec`s), built and checked before anything starts, so `dsv4rl plan` can print it
+and tests can check the exact commands. Node layout: with `parallel.rollout.nnodes == 0` (or colocated),
+every node runs trainer ranks and an even share of the engines; otherwise (disaggregated) nodes
+`0 .. train.nnodes-1` train and the next `rollout.nnodes` nodes serve rollouts.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsv4rl.config.schema import Config
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+ENGINE_URLS_ENV = "DSV4RL_ENGINE_URLS"  # comma-separated engine base URLs, given to the trainer
+
+
+@dataclass
+class ProcessSpec:
+    """One child process of the node supervisor."""
+
+    name: str  # unique on the node: "engine-0", "trainer"
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    role: str  # "engine" | "trainer"
+    health_url: str | None = None  # GET until 200 before the trainer starts (engines)
+    meta: dict[str, str] = field(default_factory=dict)  # what a plan printout shows (gpus, port, ...)
+
+
+class PortInUse(RuntimeError):
+    """A port the plan needs is taken. The message names the port, its use and the override to change it."""
+
+    def __init__(self, port: int, host: str, what: str, override: str):
+        self.port, self.host, self.what, self.override = port, host, what, override
+        super().__init__(
+            f"port {port} on {host} ({what}) is already in use; stop whatever listens there "
+            f"(`ss -ltnp 'sport = :{port}'` shows it) or choose another port, e.g. {override}"
+        )
+
+
+@dataclass(frozen=True)
+class PlannedPort:
+    port: int
+    host: str
+    what: str
+    key: str  # the config key that moves it: engine.port, cluster.master_port, ...
+    offset: int = 0  # port = <key> + offset
+
+
+def _value(x: object) -> str:
+    return str(getattr(x, "value", x))
+
+
+def model_dir(cfg: Config) -> Path:
+    """What engines and trainer load: `model.path`, or `<run.dir>/model` materialized from the seed."""
+    return Path(cfg.model.path) if cfg.model.path else Path(cfg.run.dir) / "model"
+
+
+# ------------------------------------------------------------------------------------------- layout
+def _disaggregated(cfg: Config) -> bool:
+    return not cfg.parallel.colocate and cfg.parallel.rollout.nnodes > 0
+
+
+def trainer_nodes(cfg: Config) -> range:
+    return range(cfg.parallel.train.nnodes)
+
+
+def engine_nodes(cfg: Config) -> range:
+    if _disaggregated(cfg):
+        start = cfg.parallel.train.nnodes
+        return range(start, start + cfg.parallel.rollout.nnodes)
+    return range(cfg.cluster.nnodes)
+
+
+def engines_on_node(cfg: Config, node_rank: int) -> list[int]:
+    """Global indices of the engines node `node_rank` runs (contiguous blocks, in node order)."""
+    nodes = engine_nodes(cfg)
+    if node_rank not in nodes:
+        return []
+    per_node = math.ceil(cfg.parallel.rollout.num_engines / len(nodes))
+    first = (node_rank - nodes.start) * per_node
+    return list(range(first, min(first + per_node, cfg.parallel.rollout.num_engines)))
+
+
+def engine_urls(cfg: Config) -> list[str]:
+    """Base URLs of every engine, when they all run on one node (engine i listens on engine.port + i)."""
+    nodes = engine_nodes(cfg)
+    if len(nodes) != 1:
+        raise ValueError(
+            f"engines run on {len(nodes)} nodes: their URLs need each node's address "
+            "(multi-node engine discovery is not planned yet)"
+        )
+    host = "127.0.0.1" if cfg.engine.host in ("0.0.0.0", "::") else cfg.engine.host
+    return [f"http://{host}:{cfg.engine.port + local}" for local in range(cfg.parallel.rollout.num_engines)]
+
+
+# ------------------------------------------------------------------------------------------- env
+def _base_env(cfg: Config, base_env: Mapping[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ if base_env is None else base_env)
+    env.update({str(k): str(v) for k, v in cfg.comm.env.items()})
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _cpu_threads(cfg: Config, env: dict[str, str], local_procs: int) -> dict[str, str]:
+    """On CPU, split the cores between the node's processes (a set OMP_NUM_THREADS wins)."""
+    if cfg.cluster.gpus_per_node > 0 or "OMP_NUM_THREADS" in env:
+        return env
+    threads = max(1, (os.cpu_count() or 1) // max(1, local_procs))
+    return {**env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+# ------------------------------------------------------------------------------------------- commands
+def reference_engine_argv(cfg: Config, model_path: str, port: int, seed: int) -> list[str]:
+    return [
+        sys.executable, "-m", "dsv4rl.engine",
+        "--model-path", model_path,
+        "--host", cfg.engine.host,
+        "--port", str(port),
+        "--random-seed", str(seed),
+        "--max-batch-size", str(cfg.engine.max_batch_size),
+    ]  # fmt: skip
+
+
+def sglang_argv(cfg: Config, model_path: str, port: int, seed: int, base_gpu_id: int) -> list[str]:
+    """`python -m sglang.launch_server` with SGLang 0.5.23 flag names (sglang-contract.md §1)."""
+    ro = cfg.parallel.rollout
+    gpus_per_node = cfg.cluster.gpus_per_node
+    if gpus_per_node and ro.gpus_per_engine > gpus_per_node:
+        raise ValueError(
+            f"parallel.rollout.gpus_per_engine={ro.gpus_per_engine} > cluster.gpus_per_node={gpus_per_node}: "
+            "engines spanning nodes (--nnodes/--dist-init-addr) are not planned yet; keep engines in a node"
+        )
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", model_path,
+        "--host", cfg.engine.host,
+        "--port", str(port),
+        "--tp-size", str(ro.tensor_parallel),
+        "--ep-size", str(ro.expert_parallel),
+        "--base-gpu-id", str(base_gpu_id),
+        "--random-seed", str(seed),
+        "--watchdog-timeout", f"{ro.watchdog_timeout_s:g}",
+    ]  # fmt: skip
+    if ro.data_parallel > 1:
+        # Attention DP inside the TP group; `--dp-size` replicas would break weight updates (dp_size == 1).
+        argv += ["--attn-dp-size", str(ro.data_parallel)]
+    if ro.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", f"{ro.mem_fraction_static:g}"]
+    if ro.max_running_requests is not None:
+        argv += ["--max-running-requests", str(ro.max_running_requests)]
+    return argv
+
+
+def trainer_argv(cfg: Config, run_dir: Path) -> list[str]:
+    """torchrun from this interpreter's environment (`python -m torch.distributed.run`)."""
+    pt = cfg.parallel.train
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(pt.nnodes),
+        "--node-rank", str(cfg.cluster.node_rank),
+        "--nproc-per-node", str(pt.nproc_per_node),
+        "--master-addr", cfg.cluster.master_addr,
+        "--master-port", str(cfg.cluster.master_port),
+        "-m", "dsv4rl.train.worker",
+        "--config", str(run_dir / CONFIG_FILE),
+    ]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- the plan
+def build_local_plan(
+    cfg: Config, run_dir: Path, base_env: Mapping[str, str] | None = None, model_path: str | None = None
+) -> list[ProcessSpec]:
+    """Engines first (they must be healthy before the trainer starts), then the trainer."""
+    run_dir = Path(run_dir)
+    logs = run_dir / "logs"
+    node = cfg.cluster.node_rank
+    if not 0 <= node < cfg.cluster.nnodes:
+        raise ValueError(f"cluster.node_rank={node} is outside 0..{cfg.cluster.nnodes - 1} (cluster.nnodes)")
+    model = str(model_path or (run_dir / "model" if cfg.model.path is None else cfg.model.path))
+    engines = engines_on_node(cfg, node)
+    runs_trainer = node in trainer_nodes(cfg)
+    nproc = cfg.parallel.train.nproc_per_node if runs_trainer else 0
+    env = _cpu_threads(cfg, _base_env(cfg, base_env), len(engines) + nproc)
+    kind = _value(cfg.parallel.rollout.engine)
+    gpe = cfg.parallel.rollout.gpus_per_engine
+    specs: list[ProcessSpec] = []
+    for local, global_index in enumerate(engines):
+        port = cfg.engine.port + local
+        seed = cfg.seed + global_index
+        if kind == "sglang":
+            argv = sglang_argv(cfg, model, port, seed, base_gpu_id=local * gpe)
+        elif kind == "reference":
+            argv = reference_engine_argv(cfg, model, port, seed)
+        else:
+            raise ValueError(f"parallel.rollout.engine={kind!r}: choose reference or sglang")
+        host = "127.0.0.1" if cfg.engine.host in ("0.0.0.0", "::") else cfg.engine.host
+        name = f"engine-{global_index}"
+        meta = {"port": str(port), "kind": kind}
+        if cfg.cluster.gpus_per_node:
+            meta["gpus"] = f"{local * gpe}..{(local + 1) * gpe - 1}"
+        specs.append(
+            ProcessSpec(
+                name=name,
+                argv=argv + [str(a) for a in cfg.engine.extra_args],
+                env=dict(env),
+                log_path=logs / f"{name}.log",
+                role="engine",
+                health_url=f"http://{host}:{port}/health_generate",
+                meta=meta,
+            )
+        )
+    if runs_trainer:
+        trainer_env = dict(env)
+        if list(engine_nodes(cfg)) == [node]:  # every engine is local: the trainer can reach them
+            trainer_env[ENGINE_URLS_ENV] = ",".join(engine_urls(cfg))
+        meta = {"nproc": str(nproc)}
+        gpus = cfg.cluster.gpus_per_node
+        if gpus and engines and not cfg.parallel.colocate:
+            free = list(range(len(engines) * gpe, gpus))
+            if len(free) < nproc:
+                raise ValueError(
+                    f"node {node}: {len(engines)} engines x {gpe} GPUs leave {len(free)} of {gpus} GPUs, "
+                    f"but parallel.train.nproc_per_node={nproc}; colocate, or move engines to rollout nodes"
+                )
+            trainer_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, free[:nproc]))
+            meta["gpus"] = trainer_env["CUDA_VISIBLE_DEVICES"]
+        specs.append(
+            ProcessSpec(
+                name="trainer",
+                argv=trainer_argv(cfg, run_dir),
+                env=trainer_env,
+                log_path=logs / "trainer.log",
+                role="trainer",
+                meta=meta,
+            )
+        )
+    return specs
+
+
+# ------------------------------------------------------------------------------------------- ports
+def planned_ports(cfg: Config) -> list[PlannedPort]:
+    """Every port this node will listen on: its engines, and on node 0 torchrun's and the weight sync's."""
+    node = cfg.cluster.node_rank
+    host = cfg.engine.host
+    ports = [
+        PlannedPort(cfg.engine.port + local, host, f"engine {g}: engine.port + {local}", "engine.port", local)
+        for local, g in enumerate(engines_on_node(cfg, node))
+    ]
+    if node == 0:
+        cl = cfg.cluster
+        ports.append(PlannedPort(cl.master_port, "0.0.0.0", "torchrun master", "cluster.master_port"))
+        ports.append(PlannedPort(cl.weight_sync_port, "0.0.0.0", "weight sync", "cluster.weight_sync_port"))
+    return ports
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True if a server could bind host:port now (SO_REUSEADDR, like uvicorn and TCPStore)."""
+    for addr in (host, "0.0.0.0"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((addr, port))
+                return True
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return False
+                # EADDRNOTAVAIL / unresolvable: not this machine's address; try the wildcard
+    return True
+
+
+def check_ports(cfg: Config) -> None:
+    """Raise PortInUse (or ValueError on a clash inside the plan) before any process starts."""
+    ports = planned_ports(cfg)
+    seen: dict[int, PlannedPort] = {}
+    for p in ports:
+        if p.port in seen:
+            raise ValueError(
+                f"port {p.port} is planned twice: {seen[p.port].what} and {p.what}; change {p.key} or "
+                f"{seen[p.port].key}"
+            )
+        seen[p.port] = p
+    for p in ports:
+        if not port_is_free(p.host, p.port):
+            raise PortInUse(p.port, p.host, p.what, _suggest(p, ports))
+
+
+def _suggest(bad: PlannedPort, ports: list[PlannedPort]) -> str:
+    """`key=value` that moves `bad` (and its siblings under the same key) onto free ports."""
+    group = [p for p in ports if p.key == bad.key]
+    others = {p.port for p in ports if p.key != bad.key}
+    base = bad.port - bad.offset
+    step = 100 if bad.key == "engine.port" else 1
+    for k in range(1, 200):
+        candidate = base + k * step
+        wanted = [candidate + p.offset for p in group]
+        if max(wanted) > 65535 or others & set(wanted):
+            continue
+        if all(port_is_free(bad.host, w) for w in wanted):
+            return f"{bad.key}={candidate}"
+    return f"{bad.key}=<a free port>"

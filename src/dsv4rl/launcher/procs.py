@@ -1,0 +1,187 @@
+"""Process-tree bookkeeping for the supervisor (Linux /proc), so no descendant outlives a run.
+
+Killing a child's process group is not enough: torchrun starts each worker in a session of its own, and
+a child killed by SIGKILL leaves its children behind. The supervisor therefore remembers every
+descendant it has seen (pid + start time, so a reused pid is never signalled), signals them directly,
+and - as a child subreaper - reaps the orphans that are reparented to it (containers often run a PID 1
+that never reaps, which would leave zombies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+_libc = None
+
+
+def _prctl(option: int, value: int) -> bool:
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        return _libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    ppid: int
+    pgrp: int
+    state: str  # R, S, D, Z, ...
+    start: int  # start time in clock ticks since boot: (pid, start) names one process forever
+
+
+def read_proc(pid: int) -> Proc | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm may contain spaces and parentheses: fields start after the last ')'
+    rest = raw[raw.rindex(")") + 2 :].split()
+    return Proc(pid=pid, ppid=int(rest[1]), pgrp=int(rest[2]), state=rest[0], start=int(rest[19]))
+
+
+def process_table() -> dict[int, Proc]:
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            proc = read_proc(int(entry))
+            if proc is not None:
+                table[proc.pid] = proc
+    return table
+
+
+def descendants(roots: Iterable[int], table: dict[int, Proc]) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for proc in table.values():
+        children.setdefault(proc.ppid, []).append(proc.pid)
+    found: set[int] = set()
+    stack = list(roots)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants get reparented to this process (so it can reap them), not to PID 1."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def child_preexec() -> Callable[[], None] | None:
+    """A preexec_fn: the child gets SIGTERM if the supervisor dies (even by SIGKILL).
+
+    Only from the main thread: the kernel fires PDEATHSIG when the *thread* that forked exits.
+    """
+    if not hasattr(os, "fork") or threading.current_thread() is not threading.main_thread():
+        return None
+    parent = os.getpid()
+    _prctl(0, 0)  # load libc before forking
+
+    def setup() -> None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the supervisor died between fork and prctl
+            os._exit(1)
+
+    return setup
+
+
+class Tracker:
+    """Every process seen below the supervisor's children: signal them, reap them, tell if any live."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, int] = {}  # pid -> start time
+        self.groups: set[int] = set()  # the children's process groups
+        self.leaders: set[int] = set()  # reaped by their Popen objects, never here
+        self._sent: set[tuple[int, int, int]] = set()
+
+    def add_leader(self, pid: int) -> None:
+        self.leaders.add(pid)
+        self.groups.add(pid)  # start_new_session: pgid == pid
+        proc = read_proc(pid)
+        if proc is not None:
+            self.seen[pid] = proc.start
+
+    def refresh(self) -> dict[int, Proc]:
+        """Remember the current descendants of our children and every member of their groups."""
+        table = process_table()
+        live_roots = [p for p in self.seen if self._same(p, table)]
+        found = descendants(live_roots, table) | {p.pid for p in table.values() if p.pgrp in self.groups}
+        found |= self._adopted(table)
+        for pid in found:
+            self.seen[pid] = table[pid].start
+        # Forget emptied groups: their number could later name someone else's group.
+        self.groups = {g for g in self.groups if any(p.pgrp == g and p.state != "Z" for p in table.values())}
+        return table
+
+    def _adopted(self, table: dict[int, Proc]) -> set[int]:
+        """Orphans reparented to us (we are a subreaper) that started after our first child: a descendant
+        whose parent died before `refresh` saw it (e.g. a torchrun worker in a session of its own).
+        This assumes nothing else in this process starts children while the supervisor runs."""
+        starts = [self.seen[pid] for pid in self.leaders if pid in self.seen]
+        if not starts:
+            return set()
+        me, first = os.getpid(), min(starts)
+        return {
+            p.pid for p in table.values() if p.ppid == me and p.start >= first and p.pid not in self.leaders
+        }
+
+    def _same(self, pid: int, table: dict[int, Proc]) -> bool:
+        proc = table.get(pid)
+        return proc is not None and proc.start == self.seen.get(pid)
+
+    def alive(self, table: dict[int, Proc] | None = None) -> list[int]:
+        """Tracked processes still running (zombies count as dead)."""
+        table = process_table() if table is None else table
+        return [pid for pid in self.seen if self._same(pid, table) and table[pid].state != "Z"]
+
+    def signal_groups(self, sig: int) -> None:
+        """`sig` to each child's process group (the child and whatever stayed in its group)."""
+        self.refresh()
+        for pgid in self.groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+
+    def signal_orphans(self, sig: int) -> None:
+        """`sig` to tracked processes whose parent is no tracked live process (nobody left to pass a
+        signal on: a worker of a killed torchrun, say); each process gets each signal once."""
+        table = self.refresh()
+        live = set(self.alive(table))
+        for pid in live:
+            key = (pid, table[pid].start, sig)
+            if table[pid].ppid in live or pid in self.leaders or key in self._sent:
+                continue
+            self._sent.add(key)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def kill_all(self) -> None:
+        """SIGKILL every tracked process and group."""
+        self.signal_groups(signal.SIGKILL)
+        for pid in self.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+    def reap(self) -> None:
+        """waitpid the tracked orphans reparented to us (not the Popen-owned leaders)."""
+        me = os.getpid()
+        table = process_table()
+        for pid in self.seen:
+            proc = table.get(pid)
+            if pid in self.leaders or proc is None or proc.ppid != me or proc.start != self.seen[pid]:
+                continue
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)

@@ -1,0 +1,333 @@
+"""The node supervisor: start the plan's processes, wait for the engines, watch, and tear everything down.
+
+Rules: engines must answer /health_generate before the trainer starts; the run succeeds when every
+trainer exits 0; any other exit (a crash, a kill, an engine quitting early) stops every child and shows
+the failing child's log tail; Ctrl-C or SIGTERM stops every child and returns 130. Children run in their
+own sessions with logs in `<run_dir>/logs/<name>.log`; descendants are tracked so none outlives the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.live import Live
+from rich.panel import Panel
+from rich.text import Text
+
+from dsv4rl.config.schema import Config
+from dsv4rl.launcher.plan import CONFIG_FILE, METRICS_FILE, ProcessSpec, build_local_plan, check_ports
+from dsv4rl.launcher.procs import Tracker, become_subreaper, child_preexec
+from dsv4rl.launcher.progress import MetricsTail, RunProgress
+from dsv4rl.rollout.client import EngineClient
+
+INTERRUPTED = 130
+
+
+@dataclass
+class Child:
+    spec: ProcessSpec
+    proc: subprocess.Popen
+    log_start: int = 0  # logs are appended to: this run's part starts here
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"was killed by signal {-code} (exit code {code})"
+    return f"exited with code {code}"
+
+
+def log_tail(path: Path, lines: int = 20, start: int = 0) -> list[str]:
+    """The last `lines` lines of `path` after byte `start`."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(start, f.tell() - 64 * 1024))
+            data = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return []
+    return data.splitlines()[-lines:]
+
+
+class Supervisor:
+    """Runs `specs` (engines, then trainers) to completion; `run()` returns the exit code.
+
+    `run()` makes this process a child subreaper and treats every process reparented to it during the
+    run as part of the run: nothing else in this process should start child processes meanwhile.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[ProcessSpec],
+        run_dir: Path,
+        *,
+        total_steps: int = 0,
+        console: Console | None = None,
+        live: bool | None = None,
+        startup_timeout_s: float = 300.0,
+        grace_s: float = 10.0,
+        poll_s: float = 0.25,
+        tail_lines: int = 20,
+    ):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"process names must be unique, got {names}")
+        self.specs = list(specs)
+        self.run_dir = Path(run_dir)
+        self.console = console or Console()
+        self.live = self.console.is_terminal if live is None else live and self.console.is_terminal
+        self.startup_timeout_s = startup_timeout_s
+        self.grace_s = grace_s
+        self.poll_s = poll_s
+        self.tail_lines = tail_lines
+        self.children: list[Child] = []
+        self.tracker = Tracker()
+        self.progress = RunProgress(total_steps)
+        self._metrics = MetricsTail(self.run_dir / METRICS_FILE)
+        self._signals: list[int] = []
+        self._display: Live | None = None
+
+    # ----------------------------------------------------------------------------------- output
+    def _print(self, *objects: object, soft_wrap: bool = False) -> None:
+        (self._display.console if self._display else self.console).print(*objects, soft_wrap=soft_wrap)
+
+    def _report_failure(self, child: Child, reason: str) -> None:
+        self._print(Text(f"✗ {child.name} {reason}", style="bold red"))
+        tail = log_tail(child.spec.log_path, self.tail_lines, child.log_start)
+        body = Text("\n".join(tail) if tail else "(empty log)", style="red")
+        title = f"last {len(tail)} lines of {child.spec.log_path}"
+        self._print(Panel(body, title=title, border_style="red", expand=False))
+
+    def _poll_metrics(self) -> None:
+        records = self._metrics.read_new()
+        if self._metrics.rewritten:  # resumed: the trainer cut the file back to its checkpoint
+            self.progress = RunProgress(self.progress.total_steps)
+        for record in records:
+            self.progress.add(record)
+            if self._display is None:
+                self._print(Text(self.progress.line(record)), soft_wrap=True)
+        if self._display is not None:
+            self._display.update(self.progress.renderable(), refresh=True)
+
+    # ----------------------------------------------------------------------------------- processes
+    def _start(self, spec: ProcessSpec) -> Child:
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with spec.log_path.open("ab") as log:
+            log_start = log.tell()
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            command = subprocess.list2cmdline(spec.argv)
+            log.write(f"# dsv4rl: {stamp} starting {spec.name}: {command}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                spec.argv,
+                env=spec.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: signals reach its whole group, Ctrl-C does not
+                preexec_fn=child_preexec(),
+            )
+        self.tracker.add_leader(proc.pid)
+        child = Child(spec, proc, log_start)
+        self.children.append(child)
+        self._print(Text(f"started {spec.name} (pid {proc.pid}), log {spec.log_path}", style="dim"))
+        return child
+
+    def _wait_healthy(self, engines: list[Child]) -> tuple[Child, str] | None:
+        """None when all are healthy; else (engine, reason)."""
+
+        def should_abort(child: Child) -> bool:
+            self.tracker.refresh()  # remember what the engines spawn while they load
+            return child.proc.poll() is not None or bool(self._signals)
+
+        async def one(child: Child) -> None:
+            parts = urlsplit(child.spec.health_url or "")
+            client = EngineClient(f"{parts.scheme}://{parts.netloc}", retries=0)
+            try:
+                await client.wait_healthy(self.startup_timeout_s, lambda: should_abort(child))
+            finally:
+                await client.aclose()
+
+        async def all_of() -> tuple[Child, str] | None:
+            tasks = {asyncio.create_task(one(c)): c for c in engines}
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in pending:
+                task.cancel()
+            for task in done:
+                if task.exception() is not None:
+                    return tasks[task], str(task.exception())
+            return None
+
+        if not engines:
+            return None
+        self._print(Text(f"waiting for {len(engines)} engine(s) to answer /health_generate ...", style="dim"))
+        start = time.monotonic()
+        failure = asyncio.run(all_of())
+        if failure is None:
+            self._print(Text(f"engines healthy after {time.monotonic() - start:.1f} s", style="green"))
+        return failure
+
+    def stop_all(self) -> None:
+        """SIGTERM every child's group and orphaned descendants, wait `grace_s`, then SIGKILL the rest."""
+        if self._any_alive():
+            self.tracker.signal_groups(signal.SIGTERM)
+            deadline = time.monotonic() + self.grace_s
+            # A second Ctrl-C ends the polite wait.
+            while self._any_alive() and time.monotonic() < deadline and len(self._signals) < 2:
+                self.tracker.signal_orphans(signal.SIGTERM)  # descendants whose parent died meanwhile
+                time.sleep(0.05)
+        if self._any_alive():
+            self.tracker.kill_all()
+            deadline = time.monotonic() + 5.0
+            while self._any_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    def _any_alive(self) -> bool:
+        for child in self.children:
+            child.proc.poll()
+        self.tracker.reap()
+        table = self.tracker.refresh()
+        return any(c.proc.returncode is None for c in self.children) or bool(self.tracker.alive(table))
+
+    # ----------------------------------------------------------------------------------- main loop
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signals.append(signum)
+
+    def run(self) -> int:
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                handlers[sig] = signal.signal(sig, self._on_signal)
+        atexit.register(self._atexit)
+        become_subreaper()
+        status = "failed"
+        try:
+            code = self._run()
+            status = {0: "finished", INTERRUPTED: "interrupted"}.get(code, "failed")
+            return code
+        except KeyboardInterrupt:
+            status = "interrupted"
+            return INTERRUPTED
+        finally:
+            if self._display is not None:
+                self._display.stop()
+                self._display = None
+            running = [c.name for c in self.children if c.proc.poll() is None]
+            if running:
+                self._print(Text(f"stopping {', '.join(running)} ...", style="dim"))
+            self.stop_all()
+            atexit.unregister(self._atexit)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            self._poll_metrics()
+            style = {"finished": "bold green", "interrupted": "bold yellow"}.get(status, "bold red")
+            summary = self.progress.summary(self.run_dir, status)
+            self.console.print(Panel(summary, border_style=style, expand=False))
+
+    def _interrupted(self) -> bool:
+        if self._signals:
+            name = signal.Signals(self._signals[0]).name
+            self._print(Text(f"{name} received: stopping every process", style="bold yellow"))
+            return True
+        return False
+
+    def _run(self) -> int:
+        engines = [self._start(s) for s in self.specs if s.role == "engine"]
+        failure = self._wait_healthy([c for c in engines if c.spec.health_url])
+        if self._interrupted():
+            return INTERRUPTED
+        if failure is not None:
+            child, message = failure
+            code = child.proc.poll()
+            reason = describe_exit(code) if code is not None else f"is not healthy: {message}"
+            self._report_failure(child, reason)
+            return self._exit_code(code)
+        for spec in self.specs:
+            if spec.role != "engine":
+                self._start(spec)
+        trainers = [c for c in self.children if c.spec.role == "trainer"]
+        if self.live:
+            self._display = Live(self.progress.renderable(), console=self.console, auto_refresh=False)
+            self._display.start()
+        last_refresh = 0.0
+        while True:
+            if self._interrupted():
+                return INTERRUPTED
+            if time.monotonic() - last_refresh >= 1.0:  # a /proc scan: once a second is enough
+                self.tracker.refresh()
+                last_refresh = time.monotonic()
+            self._poll_metrics()
+            exited = [(c, c.proc.poll()) for c in self.children if c.proc.poll() is not None]
+            failed = [(c, code) for c, code in exited if code != 0 or c.spec.role != "trainer"]
+            if failed:
+                for child, code in failed:
+                    self._report_failure(child, describe_exit(code) + (" unexpectedly" if code == 0 else ""))
+                return self._exit_code(failed[0][1])
+            if trainers and all(c.proc.returncode == 0 for c in trainers):
+                return 0
+            time.sleep(self.poll_s)
+
+    @staticmethod
+    def _exit_code(code: int | None) -> int:
+        if code is None or code == 0:
+            return 1
+        return 128 - code if code < 0 else code
+
+    def _atexit(self) -> None:
+        """Last resort (an exception escaped, the interpreter is exiting): kill everything now."""
+        with contextlib.suppress(Exception):
+            self.tracker.kill_all()
+
+
+def write_config(cfg: Config, run_dir: Path) -> Path:
+    """The resolved recipe the trainer reads (`--config`), with `run.dir` made absolute."""
+    tree = OmegaConf.structured(cfg)
+    tree.run.dir = str(run_dir)
+    path = run_dir / CONFIG_FILE
+    path.write_text(OmegaConf.to_yaml(tree, resolve=True))
+    return path
+
+
+def run_training(cfg: Config, *, console: Console | None = None, plan_builder=build_local_plan) -> int:
+    """`dsv4rl train`: check ports, prepare the run dir and model, run the node's processes to the end."""
+    console = console or Console()
+    run_dir = Path(cfg.run.dir).resolve()
+    check_ports(cfg)  # before anything is written or started
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    write_config(cfg, run_dir)
+    if cfg.model.path is None:
+        from dsv4rl.model.tiny import materialize_model
+
+        with console.status("building the tiny model from its seed ..."):
+            materialize_model(cfg.model, str(run_dir / "model"))
+    specs = plan_builder(cfg, run_dir)
+    supervisor = Supervisor(
+        specs,
+        run_dir,
+        total_steps=cfg.train.steps,
+        console=console,
+        live=cfg.run.progress and sys.stdout.isatty(),
+        startup_timeout_s=cfg.engine.startup_timeout_s,
+    )
+    return supervisor.run()

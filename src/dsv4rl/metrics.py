@@ -1,0 +1,92 @@
+"""Per-step metrics: timers for where the time went, and the `metrics.jsonl` every run writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+# Keys every step line carries (the supervisor's display and users' scripts rely on them).
+STEP_KEYS = (
+    "step",
+    "reward_mean",
+    "reward_std",
+    "response_len_mean",
+    "logprob_abs_diff",
+    "kl",
+    "entropy",
+    "grad_norm",
+    "time_rollout_s",
+    "time_reward_s",
+    "time_train_s",
+    "time_sync_s",
+    "time_step_s",
+    "sync_bytes",
+)
+TIME_PHASES = ("rollout", "reward", "train", "sync")
+
+
+class StepTimer:
+    """Wall-clock seconds per phase of one step: `with timer.phase("rollout"): ...`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def as_metrics(self) -> dict[str, float]:
+        metrics = {f"time_{name}_s": self.seconds.get(name, 0.0) for name in TIME_PHASES}
+        for name, seconds in self.seconds.items():
+            metrics[f"time_{name}_s"] = seconds
+        metrics["time_step_s"] = time.perf_counter() - self._start
+        return metrics
+
+
+def _json_safe(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to `<run_dir>/metrics.jsonl`, flushed at once."""
+
+    def __init__(self, path: str | Path, resume_from_step: int | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_from_step is not None:
+            self._truncate_after(resume_from_step)
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop lines of steps the checkpoint does not include, so the file reads as one run."""
+        if not self.path.exists():
+            return
+        kept = [
+            line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step
+        ]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, metrics: Mapping[str, object]) -> None:
+        missing = [key for key in STEP_KEYS if key not in metrics]
+        if missing:
+            raise KeyError(f"step metrics lack {missing}")
+        line = json.dumps({key: _json_safe(value) for key, value in metrics.items()})
+        with self.path.open("a") as handle:
+            handle.write(line + "\n")
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,199 @@
+"""The node plan: exact commands, environment and port checks for reference and SGLang engines."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4rl.config.schema import Config, RolloutEngineKind
+from dsv4rl.launcher.plan import (
+    ENGINE_URLS_ENV,
+    PortInUse,
+    build_local_plan,
+    check_ports,
+    engine_urls,
+    port_is_free,
+)
+
+RUN = Path("/runs/r1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def by_name(specs):
+    return {s.name: s for s in specs}
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_reference_engines_and_fsdp_trainer(nproc):
+    cfg = Config(seed=7)
+    cfg.parallel.rollout.num_engines = 2
+    cfg.parallel.train.nproc_per_node = nproc
+    cfg.engine.max_batch_size = 32
+    cfg.engine.extra_args = ["--log-level", "debug"]
+    specs = build_local_plan(cfg, RUN, base_env={"PATH": "/bin"})
+    assert [s.name for s in specs] == ["engine-0", "engine-1", "trainer"]
+    assert [s.role for s in specs] == ["engine", "engine", "trainer"]
+    e1 = by_name(specs)["engine-1"]
+    assert e1.argv == [
+        sys.executable, "-m", "dsv4rl.engine",
+        "--model-path", "/runs/r1/model",
+        "--host", "127.0.0.1",
+        "--port", "30001",
+        "--random-seed", "8",
+        "--max-batch-size", "32",
+        "--log-level", "debug",
+    ]  # fmt: skip
+    assert e1.health_url == "http://127.0.0.1:30001/health_generate"
+    assert e1.log_path == RUN / "logs" / "engine-1.log"
+    trainer = by_name(specs)["trainer"]
+    assert trainer.argv == [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", "29500",
+        "-m", "dsv4rl.train.worker", "--config", "/runs/r1/config.yaml",
+    ]  # fmt: skip
+    assert trainer.health_url is None
+    assert trainer.env[ENGINE_URLS_ENV] == "http://127.0.0.1:30000,http://127.0.0.1:30001"
+
+
+def test_env_merges_comm_preset_and_splits_cpu_threads(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    cfg = Config()
+    cfg.parallel.train.nproc_per_node = 2
+    cfg.comm.env = {"NCCL_DEBUG": "WARN", "PATH": "/override"}
+    specs = build_local_plan(cfg, RUN, base_env={"PATH": "/bin", "HOME": "/h"})
+    for spec in specs:
+        assert spec.env["NCCL_DEBUG"] == "WARN" and spec.env["PATH"] == "/override"
+        assert spec.env["HOME"] == "/h" and spec.env["PYTHONUNBUFFERED"] == "1"
+        assert spec.env["OMP_NUM_THREADS"] == "2"  # 8 cores / (1 engine + 2 ranks)
+    cfg.comm.env = {"OMP_NUM_THREADS": "3"}
+    assert {s.env["OMP_NUM_THREADS"] for s in build_local_plan(cfg, RUN, base_env={})} == {"3"}
+    cfg.comm.env = {}
+    cfg.cluster.gpus_per_node = 8
+    assert all("OMP_NUM_THREADS" not in s.env for s in build_local_plan(cfg, RUN, base_env={}))
+
+
+def test_model_path_is_used_when_set():
+    cfg = Config()
+    cfg.model.path = "/models/dsv4-flash"
+    engine = build_local_plan(cfg, RUN, base_env={})[0]
+    assert engine.argv[engine.argv.index("--model-path") + 1] == "/models/dsv4-flash"
+
+
+def test_sglang_engines_on_gpus():
+    cfg = Config(seed=1)
+    ro = cfg.parallel.rollout
+    ro.engine = RolloutEngineKind.sglang
+    ro.num_engines, ro.gpus_per_engine, ro.tensor_parallel, ro.expert_parallel = 2, 2, 2, 2
+    ro.mem_fraction_static, ro.max_running_requests, ro.watchdog_timeout_s = 0.5, 48, 1800.0
+    cfg.cluster.gpus_per_node = 8
+    cfg.parallel.train.nproc_per_node = 4
+    specs = by_name(build_local_plan(cfg, RUN, base_env={}))
+    assert specs["engine-1"].argv == [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", "/runs/r1/model",
+        "--host", "127.0.0.1", "--port", "30001",
+        "--tp-size", "2", "--ep-size", "2",
+        "--base-gpu-id", "2",
+        "--random-seed", "2",
+        "--watchdog-timeout", "1800",
+        "--mem-fraction-static", "0.5",
+        "--max-running-requests", "48",
+    ]  # fmt: skip
+    assert specs["engine-0"].argv[specs["engine-0"].argv.index("--base-gpu-id") + 1] == "0"
+    assert specs["trainer"].env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+    ro.data_parallel = 2
+    argv = build_local_plan(cfg, RUN, base_env={})[0].argv
+    assert argv[argv.index("--attn-dp-size") + 1] == "2" and "--dp-size" not in argv
+    cfg.parallel.train.nproc_per_node = 6
+    with pytest.raises(ValueError, match="leave 4 of 8 GPUs.*nproc_per_node=6"):
+        build_local_plan(cfg, RUN, base_env={})
+    cfg.parallel.colocate = True  # engines and trainer share the GPUs
+    assert "CUDA_VISIBLE_DEVICES" not in by_name(build_local_plan(cfg, RUN, base_env={}))["trainer"].env
+
+
+def test_disaggregated_nodes():
+    cfg = Config()
+    cfg.cluster.nnodes, cfg.cluster.gpus_per_node, cfg.cluster.master_addr = 4, 8, "10.0.0.1"
+    cfg.engine.host = "0.0.0.0"
+    pt, ro = cfg.parallel.train, cfg.parallel.rollout
+    pt.nnodes, pt.nproc_per_node = 2, 8
+    ro.engine, ro.nnodes, ro.num_engines, ro.gpus_per_engine, ro.tensor_parallel = "sglang", 2, 4, 4, 4
+    cfg.cluster.node_rank = 1
+    node1 = build_local_plan(cfg, RUN, base_env={})
+    assert [s.name for s in node1] == ["trainer"]
+    argv = node1[0].argv
+    assert argv[argv.index("--node-rank") + 1] == "1" and argv[argv.index("--master-addr") + 1] == "10.0.0.1"
+    assert ENGINE_URLS_ENV not in node1[0].env
+    cfg.cluster.node_rank = 3
+    node3 = build_local_plan(cfg, RUN, base_env={})
+    assert [s.name for s in node3] == ["engine-2", "engine-3"]
+    assert [s.argv[s.argv.index("--port") + 1] for s in node3] == ["30000", "30001"]
+    assert [s.argv[s.argv.index("--base-gpu-id") + 1] for s in node3] == ["0", "4"]
+    with pytest.raises(ValueError, match="engines run on 2 nodes"):
+        engine_urls(cfg)
+    cfg.cluster.node_rank = 4
+    with pytest.raises(ValueError, match="node_rank=4 is outside 0..3"):
+        build_local_plan(cfg, RUN, base_env={})
+
+
+def test_engine_spanning_nodes_is_refused():
+    cfg = Config()
+    cfg.cluster.gpus_per_node = 8
+    cfg.parallel.rollout.engine = RolloutEngineKind.sglang
+    cfg.parallel.rollout.gpus_per_engine = 16
+    with pytest.raises(ValueError, match="gpus_per_engine=16 > cluster.gpus_per_node=8"):
+        build_local_plan(cfg, RUN, base_env={})
+
+
+def _ports_cfg(engines: int = 2) -> Config:
+    cfg = Config()
+    cfg.parallel.rollout.num_engines = engines
+    cfg.engine.port = free_port()
+    cfg.cluster.master_port, cfg.cluster.weight_sync_port = free_port(), free_port()
+    return cfg
+
+
+def test_ports_free_passes():
+    cfg = _ports_cfg(engines=1)
+    check_ports(cfg)
+
+
+@pytest.mark.parametrize(
+    ("which", "key"),
+    [("engine1", "engine.port="), ("master", "cluster.master_port="), ("sync", "cluster.weight_sync_port=")],
+)
+def test_busy_port_is_named_with_override(which, key):
+    cfg = _ports_cfg(engines=2)
+    port = {
+        "engine1": cfg.engine.port + 1,
+        "master": cfg.cluster.master_port,
+        "sync": cfg.cluster.weight_sync_port,
+    }[which]
+    with socket.socket() as holder:
+        try:
+            holder.bind(("127.0.0.1", port))
+        except OSError:
+            pytest.skip(f"port {port} taken meanwhile")
+        holder.listen()
+        assert not port_is_free("127.0.0.1", port)
+        with pytest.raises(PortInUse, match=rf"port {port} on .* is already in use.*e\.g\. {key}\d+") as info:
+            check_ports(cfg)
+    assert info.value.port == port
+    suggested = int(str(info.value).rsplit("=", 1)[1])
+    assert suggested != (cfg.engine.port if which == "engine1" else port)
+
+
+def test_port_clash_inside_the_plan():
+    cfg = _ports_cfg(engines=2)
+    cfg.cluster.master_port = cfg.engine.port + 1
+    with pytest.raises(ValueError, match=r"planned twice: engine 1: engine.port \+ 1 and torchrun master"):
+        check_ports(cfg)

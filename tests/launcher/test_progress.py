@@ -1,0 +1,71 @@
+"""Metrics tailing and the live display's numbers."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from rich.console import Console
+
+from dsv4rl.launcher.progress import MetricsTail, RunProgress
+
+
+def record(step: int, **extra) -> dict:
+    base = {"step": step, "reward_mean": 0.5, "time_rollout_s": 2.0, "time_reward_s": 0.5}
+    base |= {"time_train_s": 1.0, "time_sync_s": 0.5, "time_step_s": 5.0, "sync_bytes": 3 * 1024**2}
+    return base | extra
+
+
+def test_tail_reads_only_complete_new_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tail = MetricsTail(path)
+    assert tail.read_new() == []  # no file yet
+    with path.open("w") as f:
+        f.write(json.dumps({"step": 1}) + "\n" + '{"step": 2, "rew')
+    assert tail.read_new() == [{"step": 1}]
+    with path.open("a") as f:
+        f.write('ard_mean": 1.0}\nnot json\n\n[1]\n')
+    assert tail.read_new() == [{"step": 2, "reward_mean": 1.0}]
+    assert tail.bad_lines == 1
+    assert tail.read_new() == []
+    assert not tail.rewritten
+
+
+def test_tail_notices_a_rewritten_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+    tail = MetricsTail(path)
+    assert [r["step"] for r in tail.read_new()] == [1, 2, 3]
+    path.write_text(json.dumps({"step": 1}) + "\n")  # resume from the step-1 checkpoint
+    with path.open("a") as f:
+        f.write(json.dumps({"step": 2, "reward_mean": 0.9}) + "\n" + json.dumps({"step": 3}) + "\n")
+    assert tail.read_new() == [{"step": 1}, {"step": 2, "reward_mean": 0.9}, {"step": 3}]
+    assert tail.rewritten
+    with path.open("a") as f:
+        f.write(json.dumps({"step": 4}) + "\n")
+    assert tail.read_new() == [{"step": 4}] and not tail.rewritten
+
+
+def test_progress_totals_and_shares():
+    progress = RunProgress(total_steps=10)
+    progress.add(record(1))
+    progress.add(record(2, reward_mean=0.75))
+    assert progress.step == 2
+    shares = progress.shares()
+    assert shares == {"rollout": 4.0, "reward": 1.0, "train": 2.0, "sync": 1.0, "other": 2.0}
+    assert progress.line(record(2)).startswith("step 2/10 | reward 0.5")
+    assert "(rollout 40% reward 10% train 20% sync 10%)" in progress.line(record(2))
+
+
+def test_live_renderable_and_summary_render():
+    out = io.StringIO()
+    console = Console(file=out, width=120, force_terminal=True, color_system=None)
+    progress = RunProgress(total_steps=4)
+    console.print(progress.renderable())
+    assert "waiting for step 1" in out.getvalue()
+    progress.add(record(1))
+    console.print(progress.renderable())
+    console.print(progress.summary(tmp := "/runs/x", "finished"))
+    text = out.getvalue()
+    assert "1/4" in text and "3.0 MB" in text and "rollout" in text and "40%" in text
+    assert "final reward" in text and tmp in text
