@@ -1,0 +1,1 @@
+"""Training side: batches, the FSDP train engine, checkpoints, the training loop."""

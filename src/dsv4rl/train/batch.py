@@ -1,0 +1,143 @@
+"""Training tensors built from rollout samples, aligned with next-token targets.
+
+For `input_ids [B, T]` every per-token tensor is `[B, T-1]` and index t is about the target
+`input_ids[:, t+1]`: response token k of a sample whose prompt has length P sits at input
+position P+k, so at target index P-1+k. Padding is on the right; no attention mask is needed
+because the model is causal (right padding does not change earlier positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+from dsv4rl.rollout.types import Sample
+
+
+@dataclass
+class TrainBatch:
+    input_ids: Tensor  # [B, T] long, right-padded with the pad id
+    loss_mask: Tensor  # [B, T-1] float: 1.0 where the target is a response token
+    advantages: Tensor  # [B] float
+    rollout_logprobs: Tensor  # [B, T-1] float: the engine's logprobs of response targets, 0 elsewhere
+    old_logprobs: Tensor | None = None  # [B, T-1]: the trainer's logprobs before the update
+    ref_logprobs: Tensor | None = None  # [B, T-1]: the reference model's logprobs (KL penalty)
+
+    def __post_init__(self) -> None:
+        if self.input_ids.dim() != 2 or self.input_ids.shape[1] < 2:
+            raise ValueError(f"input_ids must be [B, T] with T >= 2, got {tuple(self.input_ids.shape)}")
+        b, t = self.input_ids.shape
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None or f.name == "input_ids":
+                continue
+            expected = (b,) if f.name == "advantages" else (b, t - 1)
+            if tuple(value.shape) != expected:
+                raise ValueError(
+                    f"TrainBatch.{f.name} has shape {tuple(value.shape)}, expected {expected} "
+                    f"for input_ids {tuple(self.input_ids.shape)}"
+                )
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def from_samples(cls, samples: list[Sample], pad_id: int) -> TrainBatch:
+        """Pack samples into right-padded tensors; advantages come from `Sample.advantage`."""
+        if not samples:
+            raise ValueError("TrainBatch.from_samples needs at least one sample")
+        for i, s in enumerate(samples):
+            if not s.prompt_ids:
+                raise ValueError(f"sample {i} has an empty prompt: the first response token needs a context")
+            if len(s.rollout_logprobs) != len(s.response_ids):
+                raise ValueError(
+                    f"sample {i} has {len(s.response_ids)} response tokens but "
+                    f"{len(s.rollout_logprobs)} rollout logprobs; the engine must return one per token"
+                )
+        length = max(2, max(len(s.prompt_ids) + len(s.response_ids) for s in samples))
+        b = len(samples)
+        input_ids = torch.full((b, length), pad_id, dtype=torch.long)
+        loss_mask = torch.zeros(b, length - 1)
+        rollout = torch.zeros(b, length - 1)
+        for i, s in enumerate(samples):
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
+            loss_mask[i, p - 1 : p - 1 + r] = 1.0
+            rollout[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+        return cls(input_ids, loss_mask, advantages, rollout)
+
+    def select(self, index: slice | Tensor) -> TrainBatch:
+        """Rows `index` of every tensor."""
+        return replace(self, **{f.name: _rows(getattr(self, f.name), index) for f in fields(self)})
+
+    def shard(self, rank: int, world: int, num_mini_batches: int = 1) -> TrainBatch:
+        """This rank's contiguous share of the batch.
+
+        With `num_mini_batches > 1` each mini-batch is sharded on its own (rank r gets the r-th
+        slice of every mini-batch, concatenated), so mini-batch k of every rank together is
+        exactly global mini-batch k and updates do not depend on the world size.
+        """
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside world size {world}")
+        if self.size % (world * num_mini_batches):
+            raise ValueError(
+                f"batch of {self.size} sequences does not split into {num_mini_batches} mini-batch(es) "
+                f"x {world} rank(s); make prompts_per_step * group_size a multiple of "
+                f"{world * num_mini_batches}"
+            )
+        mini = self.size // num_mini_batches
+        per = mini // world
+        if num_mini_batches == 1:
+            return self.select(slice(rank * per, (rank + 1) * per))
+        starts = [m * mini + rank * per for m in range(num_mini_batches)]
+        return self.select(torch.cat([torch.arange(s, s + per) for s in starts]))
+
+    def split(self, parts: int) -> list[TrainBatch]:
+        """`parts` contiguous equal pieces (mini-batches)."""
+        if parts < 1 or self.size % parts:
+            raise ValueError(f"batch of {self.size} sequences does not split into {parts} equal parts")
+        n = self.size // parts
+        return [self.select(slice(i * n, (i + 1) * n)) for i in range(parts)]
+
+    def micro_batches(self, size: int) -> Iterator[TrainBatch]:
+        """Consecutive pieces of at most `size` sequences (the last may be smaller)."""
+        if size < 1:
+            raise ValueError(f"micro-batch size must be >= 1, got {size}")
+        for start in range(0, self.size, size):
+            yield self.select(slice(start, start + size))
+
+    def trimmed(self) -> TrainBatch:
+        """Drop trailing columns past the last response target: they carry no loss (saves compute)."""
+        cols = self.loss_mask.any(dim=0).nonzero()
+        keep = int(cols[-1]) + 1 if len(cols) else 1  # targets kept; input_ids keeps one more
+        if keep == self.loss_mask.shape[1]:
+            return self
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None or f.name == "advantages":
+                out[f.name] = value
+            else:
+                out[f.name] = value[:, : keep + 1] if f.name == "input_ids" else value[:, :keep]
+        return TrainBatch(**out)
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        return replace(self, **{f.name: _move(getattr(self, f.name), device) for f in fields(self)})
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens (loss-bearing targets) in the batch."""
+        return int(self.loss_mask.sum().item())
+
+
+def _rows(value: Tensor | None, index: slice | Tensor) -> Tensor | None:
+    return None if value is None else value[index]
+
+
+def _move(value: Tensor | None, device: torch.device | str) -> Tensor | None:
+    return None if value is None else value.to(device)

@@ -1,0 +1,168 @@
+"""Resumable training checkpoints: model + optimizer (torch.distributed.checkpoint), scheduler, step,
+and a per-rank extra state (data cursor, RNG states).
+
+Layout of `<root>/step_00000010/`:
+  DCP shards + `.metadata`      model and optimizer, resharded on load (any world size)
+  trainer_state.pt              step, scheduler state, world size (written by rank 0)
+  extra_rank00000.pt, ...       the caller's extra_state and the RNG states of each rank
+
+Every rank writes into `<dir>.tmp`; rank 0 renames it to `<dir>` once all ranks are done, so a
+directory with the final name is always complete. The tmp directory must be on a filesystem that
+every rank sees (on several nodes: a shared filesystem).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+TRAINER_STATE = "trainer_state.pt"
+
+
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    """Where the checkpoint of `step` lives under `root` (the name `latest_checkpoint` looks for)."""
+    return Path(root) / f"step_{step:08d}"
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and child.is_dir() and (child / TRAINER_STATE).exists():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete `step_N` checkpoint with the highest N under `root`, or None."""
+    found = _complete_checkpoints(Path(root))
+    return found[-1][1] if found else None
+
+
+def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints (keep <= 0: delete nothing)."""
+    if keep <= 0:
+        return []
+    removed = [path for _, path in _complete_checkpoints(Path(root))[:-keep]]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def capture_rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(
+    directory: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    step: int,
+    extra_state: dict[str, Any] | None = None,
+    keep: int = 0,
+) -> Path:
+    """Collective: every rank calls it. Returns the final directory. `keep` > 0 prunes older siblings."""
+    rank, world = _rank_world()
+    final = Path(directory)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save({"extra": extra_state or {}, "rng": capture_rng_state()}, tmp / f"extra_rank{rank:05d}.pt")
+    _barrier()
+    if rank == 0:
+        trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "world_size": world}
+        torch.save(trainer_state, tmp / TRAINER_STATE)  # last file: its presence marks completeness
+        old = final.with_name(final.name + ".old")
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        if keep > 0:
+            prune_checkpoints(final.parent, keep)
+    _barrier()
+    return final
+
+
+def load_checkpoint(
+    directory: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> tuple[int, dict[str, Any]]:
+    """Collective. Loads model, optimizer, scheduler and this rank's RNG states; returns (step, extra_state).
+
+    The model and optimizer reshard to any world size. Extra state and RNG states are per rank: with
+    a different world size, ranks without their own file get rank 0's extra state and keep their RNG.
+    """
+    rank, _ = _rank_world()
+    path = Path(directory)
+    if not (path / TRAINER_STATE).exists():
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint (no {TRAINER_STATE}); "
+            "use latest_checkpoint(root) to find one"
+        )
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    missing = [k for k in model_sd if f"model.{k}" not in saved_keys]
+    if missing:
+        raise ValueError(
+            f"checkpoint {path} lacks model tensors {missing[:5]} (of {len(missing)}): wrong model?"
+        )
+    state = {"model": model_sd, "optim": optim_sd}
+    # Partial load: parameters that never received a gradient (the HF indexer) have no optimizer
+    # state in the checkpoint; the model itself was checked complete above.
+    dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    trainer_state = torch.load(path / TRAINER_STATE, weights_only=False)
+    scheduler.load_state_dict(trainer_state["scheduler"])
+    own = path / f"extra_rank{rank:05d}.pt"
+    per_rank = torch.load(own if own.exists() else path / "extra_rank00000.pt", weights_only=False)
+    if own.exists():
+        restore_rng_state(per_rank["rng"])
+    _barrier()
+    return int(trainer_state["step"]), per_rank["extra"]

@@ -1,0 +1,309 @@
+"""The `fsdp` train engine: PyTorch FSDP2 (`fully_shard`) over a transformers DeepseekV4ForCausalLM.
+
+One instance per training rank, inside an initialised default process group (torchrun). The same
+code runs with gloo on CPU and nccl/rccl on GPUs. Every public method is collective: all ranks call
+it, with the same number of sequences in `train_step` (shard the global batch with TrainBatch.shard).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import DeepseekV4ForCausalLM
+
+from dsv4rl.algo.grpo import (
+    aggregate,
+    entropy_from_logits,
+    kl_penalty,
+    policy_loss,
+    tis_weights,
+    token_logprobs,
+)
+from dsv4rl.config.schema import Config
+from dsv4rl.train import checkpoint as ckpt
+from dsv4rl.train.batch import TrainBatch
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+class _WarmupThenConstant:
+    """Linear warmup over `steps` optimizer steps (step k uses lr*(k+1)/steps), then constant."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def __call__(self, step: int) -> float:
+        return 1.0 if self.steps <= 0 else min(1.0, (step + 1) / self.steps)
+
+
+def _sum_factor(mask: Tensor, mode: str) -> Tensor:
+    """What turns `aggregate(values, mask, mode)` of one micro-batch back into an additive sum over
+    its sequences/tokens (so sums can be added over micro-batches and ranks, then divided by the
+    global normaliser `_global_terms`). Mirrors dsv4rl.algo.grpo.aggregate."""
+    if mode == "token_mean":
+        return mask.sum()
+    if mode == "seq_mean_token_mean":
+        return (mask.sum(dim=-1) > 0).sum().to(mask.dtype)
+    if mode == "seq_mean_token_sum":  # aggregate divides by B and by L (the micro-batch's length)
+        return torch.tensor(float(mask.shape[0] * mask.shape[1]), device=mask.device)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def _global_terms(mask: Tensor, mode: str, max_len: int) -> Tensor:
+    """This rank's share of the mini-batch normaliser (all-reduced by the caller)."""
+    if mode == "seq_mean_token_sum":  # Dr.GRPO: a constant, the response cap, per sequence
+        return torch.tensor(float(mask.shape[0] * max_len), device=mask.device)
+    return _sum_factor(mask, mode)
+
+
+class FSDPTrainEngine:
+    def __init__(self, cfg: Config, model_path: str, device: torch.device | None = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "FSDPTrainEngine needs an initialised default process group: run under torchrun and call "
+                "torch.distributed.init_process_group (gloo on CPU, nccl on GPU) first"
+            )
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.device = device if device is not None else default_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.mesh = init_device_mesh(self.device.type, (self.world,))
+        self.model = self._load(model_path, trainable=True)
+        self.ref_model = self._load(model_path, trainable=False) if cfg.algo.kl_coef > 0 else None
+        optim = cfg.optim
+        if optim.name.lower() != "adamw":
+            raise ValueError(f"optim.name={optim.name!r}: the fsdp engine supports only 'adamw'")
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=optim.lr,
+            betas=(float(optim.betas[0]), float(optim.betas[1])),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _WarmupThenConstant(optim.warmup_steps)
+        )
+        self.step = 0  # completed train_step calls
+
+    # ------------------------------------------------------------------ model
+    def _load(self, model_path: str, trainable: bool) -> torch.nn.Module:
+        model = DeepseekV4ForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model.config._attn_implementation = "eager"  # the only attention V4 supports
+        model.to(self.device)
+        # eval(): no dropout, so the trainer's logprobs match the rollout engine's and each other
+        model.eval()
+        model.requires_grad_(trainable)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=self.mesh)
+        fully_shard(model, mesh=self.mesh)
+        return model
+
+    def _micro_logprobs(
+        self, model: torch.nn.Module, input_ids: Tensor, temperature: float
+    ) -> tuple[Tensor, Tensor]:
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        return token_logprobs(logits, input_ids, temperature), logits
+
+    def _sync_count(self, n: int) -> int:
+        """The largest `n` over ranks: every rank must run the same number of forwards (FSDP collectives)."""
+        t = torch.tensor([n], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    @torch.no_grad()
+    def _forward_logprobs(self, model: torch.nn.Module, input_ids: Tensor, temperature: float) -> Tensor:
+        input_ids = input_ids.to(self.device)
+        size = self.cfg.train.micro_batch_size
+        chunks = list(input_ids.split(size)) if input_ids.shape[0] else []
+        steps = self._sync_count(len(chunks))  # before any forward: collectives must pair up
+        out = [self._micro_logprobs(model, chunk, temperature)[0] for chunk in chunks]
+        dummy = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+        for _ in range(steps - len(chunks)):
+            self._micro_logprobs(model, dummy, temperature)  # keep step with ranks that have more
+        model.reshard()  # FSDP2 keeps the root's parameters unsharded after a forward without backward
+        if not out:
+            return torch.zeros(0, max(input_ids.shape[1] - 1, 0), device=self.device)
+        return torch.cat(out)
+
+    def compute_logprobs(self, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+        """log p(input_ids[:, t+1] | input_ids[:, :t+1]) of this rank's sequences, [B, T-1], no grad."""
+        return self._forward_logprobs(self.model, input_ids, temperature)
+
+    def compute_ref_logprobs(self, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+        if self.ref_model is None:
+            raise RuntimeError("no reference model: it is loaded only when algo.kl_coef > 0")
+        return self._forward_logprobs(self.ref_model, input_ids, temperature)
+
+    @torch.no_grad()
+    def _masked_logprobs(self, model: torch.nn.Module, batch: TrainBatch, temperature: float) -> Tensor:
+        """Logprobs over the loss-bearing targets, computed on the same trimmed micro-batches the
+        update uses (so ratio == 1 exactly on the first update); zero past each micro-batch's trim."""
+        out = torch.zeros_like(batch.loss_mask)
+        row = 0
+        for mini in batch.split(self.cfg.algo.updates_per_step):
+            for micro in mini.micro_batches(self.cfg.train.micro_batch_size):
+                lp = self._micro_logprobs(model, micro.trimmed().input_ids, temperature)[0]
+                out[row : row + micro.size, : lp.shape[1]] = lp
+                row += micro.size
+        model.reshard()
+        return out
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: TrainBatch, temperature: float | None = None) -> dict[str, float]:
+        """One rollout batch (this rank's shard): algo.updates_per_step optimizer steps.
+
+        Loss aggregation is over the global mini-batch: per-micro-batch sums are divided by the
+        denominator all-reduced over ranks, and multiplied by the world size because FSDP averages
+        gradients over ranks. So the update does not depend on the world size or micro-batch size.
+        """
+        algo, cfg = self.cfg.algo, self.cfg
+        temp = algo.sampling.temperature if temperature is None else temperature
+        mode = str(getattr(algo.loss_aggregation, "value", algo.loss_aggregation))
+        estimator = str(getattr(algo.kl_estimator, "value", algo.kl_estimator))
+        updates = algo.updates_per_step
+        batch = batch.to(self.device)
+        sizes = torch.tensor([batch.size, -batch.size], device=self.device)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+        if int(sizes[0]) != -int(sizes[1]):
+            raise ValueError(
+                f"ranks hold different batch sizes ({-int(sizes[1])}..{int(sizes[0])}); use TrainBatch.shard"
+            )
+        if batch.size % updates:
+            raise ValueError(
+                f"{batch.size} sequences per rank do not split into algo.updates_per_step={updates}"
+            )
+
+        self.model.eval()
+        old = (
+            batch.old_logprobs
+            if batch.old_logprobs is not None
+            else self._masked_logprobs(self.model, batch, temp)
+        )
+        ref = batch.ref_logprobs
+        if self.ref_model is not None and ref is None:
+            ref = self._masked_logprobs(self.ref_model, batch, temp)
+        tis = tis_weights(old, batch.rollout_logprobs, algo.tis.clip) if algo.tis.enabled else None
+
+        mask = batch.loss_mask
+        # sums over response tokens: [loss, entropy, kl, clipfrac, |old - rollout|, tokens]
+        stats = torch.zeros(6, dtype=torch.float64, device=self.device)
+        stats[4] = ((old - batch.rollout_logprobs).abs() * mask).sum()
+        stats[5] = mask.sum()
+        if ref is None:
+            stats[2] = (kl_penalty(old, batch.rollout_logprobs, "k3") * mask).sum()
+        grad_norms, lrs = [], []
+        row = 0
+        for mini in batch.split(updates):
+            denom = _global_terms(mini.loss_mask, mode, algo.sampling.max_new_tokens).to(torch.float64)
+            dist.all_reduce(denom)
+            denom = max(float(denom), 1.0)  # no response token anywhere: loss 0, like aggregate
+            scale = self.world / denom
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in mini.micro_batches(cfg.train.micro_batch_size):
+                m = micro.trimmed()
+                n = m.loss_mask.shape[1]
+                rows = slice(row, row + micro.size)
+                row += micro.size
+                m_old, m_tis = old[rows, :n], None if tis is None else tis[rows, :n]
+                logp, logits = self._micro_logprobs(self.model, m.input_ids, temp)
+                local = _sum_factor(m.loss_mask, mode)
+                pg, pg_metrics = policy_loss(
+                    logp,
+                    m_old,
+                    m.advantages,
+                    m.loss_mask,
+                    algo.eps_clip_low,
+                    algo.eps_clip_high,
+                    aggregation=mode,
+                    tis_weights=m_tis,
+                )
+                loss_sum = pg * local
+                if ref is not None:
+                    kl_tok = kl_penalty(logp, ref[rows, :n], estimator)
+                    loss_sum = loss_sum + algo.kl_coef * aggregate(kl_tok, m.loss_mask, mode) * local
+                    with torch.no_grad():
+                        stats[2] += (kl_penalty(logp, ref[rows, :n], "k3") * m.loss_mask).sum()
+                scaled = logits[:, :-1] / temp if temp > 0 else logits[:, :-1]
+                if algo.entropy_coef > 0:
+                    ent = entropy_from_logits(scaled)
+                    loss_sum = loss_sum - algo.entropy_coef * aggregate(ent, m.loss_mask, mode) * local
+                else:
+                    with torch.no_grad():
+                        ent = entropy_from_logits(scaled)
+                (loss_sum * scale).backward()
+                tokens = m.loss_mask.sum()
+                stats[0] += loss_sum.detach() / denom
+                stats[1] += (ent.detach() * m.loss_mask).sum()
+                stats[3] += float(pg_metrics.get("clipfrac", 0.0)) * tokens
+            grad_norms.append(self._clip_gradients())
+            lrs.append(self.scheduler.get_last_lr()[0])
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        dist.all_reduce(stats)
+        tokens = max(float(stats[5]), 1.0)
+        kl_tokens = tokens * (updates if ref is not None else 1)
+        return {
+            "loss": float(stats[0]) / updates,
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "kl": float(stats[2]) / kl_tokens,
+            "entropy": float(stats[1]) / (tokens * updates),
+            "clipfrac": float(stats[3]) / (tokens * updates),
+            "lr": lrs[-1],
+            "logprob_abs_diff": float(stats[4]) / tokens,
+            "response_tokens": float(stats[5]),
+        }
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    @torch.no_grad()
+    def named_weights_for_sync(self) -> Iterator[tuple[str, Tensor]]:
+        """Full tensors of every parameter and persistent buffer, HF names, on rank 0.
+
+        Collective: every rank must exhaust the iterator (each sharded tensor is all-gathered);
+        only rank 0 yields. Tensors stay on the training device (what a NCCL broadcast needs) and
+        keep their dtype (tid2eid stays int64). Non-persistent buffers (rotary inv_freq) are not sent.
+        """
+        for name, tensor in self.model.state_dict().items():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if self.rank == 0:
+                yield name, full.detach()
+
+    def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> Path:
+        return ckpt.save_checkpoint(
+            directory,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.step,
+            extra_state,
+            keep=self.cfg.train.keep_checkpoints,
+        )
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        self.step, extra = ckpt.load_checkpoint(directory, self.model, self.optimizer, self.scheduler)
+        return extra

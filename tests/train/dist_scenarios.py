@@ -1,0 +1,173 @@
+"""Run under torchrun (world 1 or 2, gloo on CPU): exercises FSDPTrainEngine and writes results for
+tests/train/test_fsdp_engine.py to compare. Usage: dist_scenarios.py OUT_DIR"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dsv4rl.config.schema import Config
+from dsv4rl.model.tiny import materialize_model
+from dsv4rl.rollout.types import Sample
+from dsv4rl.train.batch import TrainBatch
+from dsv4rl.train.checkpoint import checkpoint_dir, latest_checkpoint
+from dsv4rl.train.fsdp_engine import FSDPTrainEngine
+
+PAD = 2
+
+
+def make_batch(n: int, seed: int, adv: list[float] | None = None) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        p = int(torch.randint(2, 6, (1,), generator=g))
+        r = int(torch.randint(1, 9, (1,), generator=g))
+        ids = torch.randint(4, 27, (p + r,), generator=g).tolist()
+        lps = (-1.0 - torch.rand(r, generator=g)).tolist()
+        a = adv[i] if adv is not None else float(torch.randn(1, generator=g))
+        samples.append(Sample(i // 4, ids[:p], ids[p:], lps, "", "stop", advantage=a))
+    return TrainBatch.from_samples(samples, PAD)
+
+
+def config(**over) -> Config:
+    cfg = Config()
+    cfg.optim.lr = 1e-3
+    cfg.optim.grad_clip = 1.0
+    cfg.train.micro_batch_size = 3
+    for key, value in over.items():
+        obj = cfg
+        *path, last = key.split("__")
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, last, value)
+    return cfg
+
+
+def gather_rows(t: torch.Tensor) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
+
+
+def synced(engine: FSDPTrainEngine) -> dict[str, torch.Tensor]:
+    return {k: v.clone().cpu() for k, v in engine.named_weights_for_sync()}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model_dir = out / "model"
+    if rank == 0:
+        materialize_model(Config().model, str(model_dir))
+    dist.barrier()
+    res: dict = {"world": world}
+
+    # 1. logprobs vs an unsharded model; 2. a positive advantage raises that sequence's logprob
+    engine = FSDPTrainEngine(config(), str(model_dir))
+    res["initial_weights"] = synced(engine)
+    batch = make_batch(8, seed=1, adv=[1.0, 0, 0, 0, 0, 0, 0, 0])
+    mine = batch.shard(rank, world)
+    res["logprobs"] = gather_rows(engine.compute_logprobs(mine.input_ids))
+    res["batch_ids"] = batch.input_ids
+    # uneven batches (5 vs 1 sequences, micro-batches of 3): ranks must not deadlock
+    rows = slice(0, 5) if rank == 0 else slice(5, 6)
+    uneven = engine.compute_logprobs(batch.input_ids[rows])
+    diffs = [None] * world
+    dist.all_gather_object(diffs, float((uneven - res["logprobs"][rows]).abs().max()))
+    res["uneven_diffs"] = diffs
+    res["mask"] = batch.loss_mask
+    engine.train_step(mine, temperature=1.0)
+    res["logprobs_after"] = gather_rows(engine.compute_logprobs(mine.input_ids))
+    n = len(list(engine.named_weights_for_sync()))
+    counts = [None] * world
+    dist.all_gather_object(counts, n)
+    res["yield_counts"] = counts
+    del engine
+
+    # 3. every feature on: 2 updates, micro-batches of 3, KL to a reference, entropy bonus, TIS
+    # Adam eps 1e-4: Adam's sign-like update of near-zero gradients would amplify float noise
+    # (summation order differs with the world size) far beyond 1e-5; grad_norm checks the scale.
+    full = config(
+        algo__updates_per_step=2,
+        algo__kl_coef=0.1,
+        algo__entropy_coef=0.01,
+        optim__warmup_steps=4,
+        optim__eps=1e-4,
+        optim__grad_clip=0.5,
+    )
+    full.algo.tis.enabled = True
+    engine = FSDPTrainEngine(full, str(model_dir))
+    metrics = []
+    for step in range(2):
+        b = make_batch(8, seed=10 + step).shard(rank, world, num_mini_batches=2)
+        metrics.append(engine.train_step(b, temperature=0.9))
+    res["full_metrics"] = metrics
+    res["full_weights"] = synced(engine)
+    del engine
+
+    # 4. checkpoint: train 2, save, train 2 -> W; load into a fresh engine, train the same 2 -> W
+    ck = config(optim__warmup_steps=4, train__keep_checkpoints=2)
+    root = out / "ckpt"
+    batches = [make_batch(8, seed=20 + i).shard(rank, world) for i in range(4)]
+    engine = FSDPTrainEngine(ck, str(model_dir))
+    for i in range(2):
+        engine.train_step(batches[i])
+        engine.save_checkpoint(str(checkpoint_dir(root, engine.step)), {"cursor": 100 + i, "rank": rank})
+    torch.manual_seed(1234 + rank)
+    random.seed(99)
+    np.random.seed(7)
+    expected_rng = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(1234 + rank)
+    random.seed(99)
+    np.random.seed(7)
+    engine.save_checkpoint(str(checkpoint_dir(root, engine.step)), {"cursor": 101, "rank": rank})  # overwrite
+    lrs = [engine.train_step(b)["lr"] for b in batches[2:]]
+    res["ckpt_weights_a"] = synced(engine)
+    engine.save_checkpoint(str(checkpoint_dir(root, engine.step)), {"cursor": 103, "rank": rank})
+    del engine
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    engine = FSDPTrainEngine(ck, str(model_dir))
+    extra = engine.load_checkpoint(str(checkpoint_dir(root, 2)))
+    got_rng = (torch.rand(3), random.random(), np.random.rand())
+    res["rng_restored"] = bool(torch.equal(got_rng[0], expected_rng[0])) and got_rng[1:] == expected_rng[1:]
+    res["extra"] = extra
+    res["loaded_step"] = engine.step
+    lrs_b = [engine.train_step(b)["lr"] for b in batches[2:]]
+    res["lrs"] = (lrs, lrs_b)
+    res["ckpt_weights_b"] = synced(engine)
+    res["latest"] = str(latest_checkpoint(root))
+    res["ckpt_listing"] = sorted(p.name for p in root.iterdir())
+    flags = [None] * world
+    dist.all_gather_object(flags, (res["rng_restored"], extra))
+    res["per_rank_restore"] = flags
+    del engine
+
+    # 5. timing (optional): 128 sequences x ~12 tokens
+    if os.environ.get("DSV4RL_BENCH"):
+        engine = FSDPTrainEngine(config(train__micro_batch_size=64), str(model_dir))
+        big = make_batch(128, seed=5).shard(rank, world)
+        engine.train_step(big)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            engine.train_step(big)
+        res["bench_s"] = (time.perf_counter() - t0) / 3
+        res["bench_tokens"] = big.input_ids.shape
+
+    if rank == 0:
+        torch.save(res, out / f"results_world{world}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

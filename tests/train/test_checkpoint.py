@@ -1,0 +1,102 @@
+"""Checkpoint helpers without a process group (DCP runs single-process)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from dsv4rl.train.checkpoint import (
+    checkpoint_dir,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def make(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model.register_buffer("table", torch.arange(6).view(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+    return model, optimizer, scheduler
+
+
+def train(model, optimizer, scheduler, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        loss = model(torch.randn(5, 4, generator=g)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+
+
+def test_save_load_resume_exact(tmp_path):
+    model, opt, sched = make(0)
+    train(model, opt, sched, 2, seed=1)
+    with torch.no_grad():
+        model.table += 10
+    random.seed(3)
+    path = save_checkpoint(checkpoint_dir(tmp_path, 2), model, opt, sched, step=2, extra_state={"cursor": 7})
+    draw = random.random()
+    train(model, opt, sched, 2, seed=2)
+    fresh, opt2, sched2 = make(5)
+    random.seed(0)
+    np.random.seed(0)
+    step, extra = load_checkpoint(path, fresh, opt2, sched2)
+    assert (step, extra) == (2, {"cursor": 7})
+    assert random.random() == draw
+    assert torch.equal(fresh.table, torch.arange(6).view(3, 2) + 10)
+    train(fresh, opt2, sched2, 2, seed=2)
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert sched.get_last_lr() == sched2.get_last_lr()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_latest_prune_and_incomplete(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    assert latest_checkpoint(tmp_path / "missing") is None
+    model, opt, sched = make(0)
+    for step in (1, 2, 10):
+        save_checkpoint(checkpoint_dir(tmp_path, step), model, opt, sched, step=step)
+    (tmp_path / "step_00000099.tmp").mkdir()  # half-written: ignored
+    (tmp_path / "step_00000050").mkdir()  # no trainer_state.pt: incomplete, ignored
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 10)
+    save_checkpoint(checkpoint_dir(tmp_path, 11), model, opt, sched, step=11, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if (p / "trainer_state.pt").exists()) == [
+        "step_00000010",
+        "step_00000011",
+    ]
+    assert prune_checkpoints(tmp_path, 0) == []
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        load_checkpoint(tmp_path / "step_00000050", model, opt, sched)
+
+
+def test_load_rejects_other_model(tmp_path):
+    model, opt, sched = make(0)
+    train(model, opt, sched, 1, seed=1)
+    path = save_checkpoint(tmp_path / "step_00000001", model, opt, sched, step=1)
+    other = torch.nn.Linear(4, 2)
+    other_opt = torch.optim.AdamW(other.parameters())
+    other_sched = torch.optim.lr_scheduler.LambdaLR(other_opt, lambda s: 1.0)
+    with pytest.raises(ValueError, match="lacks model tensors"):
+        load_checkpoint(path, other, other_opt, other_sched)
+
+
+def test_failed_save_leaves_no_checkpoint(tmp_path):
+    model, opt, sched = make(0)
+    with pytest.raises(Exception):  # noqa: B017 - whatever pickling raises
+        save_checkpoint(checkpoint_dir(tmp_path, 3), model, opt, sched, step=3, extra_state={"f": lambda: 0})
+    assert not checkpoint_dir(tmp_path, 3).exists()
+    assert latest_checkpoint(tmp_path) is None
+    save_checkpoint(checkpoint_dir(tmp_path, 3), model, opt, sched, step=3)  # the stale .tmp is replaced
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 3)
+    assert not list(tmp_path.glob("*.tmp"))
