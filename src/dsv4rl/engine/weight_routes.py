@@ -1,0 +1,293 @@
+"""Weight-update endpoints of the reference engine (contract §5, §9).
+
+Session rules are enforced here, BEFORE the receiver is touched: an update outside a
+begin/end session is refused without joining any broadcast. Blocking receiver calls run in a worker
+thread; updates hold the model (no forward in flight) and, when not paused, wait for in-flight
+requests first, like SGLang's writer lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from dsv4rl.engine.checksum import checksums, combined_checksum
+from dsv4rl.engine.http_util import Body, read_body
+
+if TYPE_CHECKING:
+    from dsv4rl.engine.server import Engine
+
+log = logging.getLogger("dsv4rl.engine")
+
+OUTSIDE_SESSION = "{endpoint} must run between begin_weight_update() and end_weight_update()."
+NOT_FLUSHED = (
+    "Weights were updated, but the cache was not flushed because there are running or queued requests. "
+    "Pass flush_cache=false and call /flush_cache once idle."
+)
+
+
+class SelectorBody(Body):
+    selector: str = "all"
+
+
+class InitGroupBody(Body):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DistributedBody(Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: str = "all"
+    torch_empty_cache: bool = False
+
+
+class TensorBody(Body):
+    serialized_named_tensors: list[Any]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class DiskBody(Body):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class GroupBody(Body):
+    group_name: str = "weight_update_group"
+
+
+class VersionBody(Body):
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class CheckerBody(Body):
+    action: str = "checksum"
+    skip_tensor_list: list[str] | None = None
+
+
+def result(success: bool, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse(
+        {"success": success, "message": message, **extra}, status_code=200 if success else 400
+    )
+
+
+def add_weight_routes(app: FastAPI, engine: Engine) -> None:
+    generator = engine.generator
+
+    def receiver_or_error() -> tuple[Any, JSONResponse | None]:
+        try:
+            return engine.get_receiver(), None
+        except ImportError as error:
+            return None, result(False, f"The weight receiver is not available: {error}")
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request) -> JSONResponse:
+        await read_body(request, SelectorBody)
+
+        def run() -> bool:
+            with generator.exclusive():
+                if engine.session_open:
+                    return False
+                engine.session_open = True
+                return True
+
+        if not await asyncio.to_thread(run):
+            return result(False, "a weight-update session is already open")
+        return result(True, "Weight update session started.")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: Request) -> JSONResponse:
+        await read_body(request, SelectorBody)
+
+        def run() -> bool:
+            with generator.exclusive():
+                was_open, engine.session_open = engine.session_open, False
+                return was_open
+
+        if not await asyncio.to_thread(run):
+            return result(False, "no weight-update session is open; call begin_weight_update() first")
+        return result(True, "Weight update session ended.")
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        body = await read_body(request, InitGroupBody)
+        receiver, error = receiver_or_error()
+        if error is not None:
+            return error
+        rank = body.rank_offset  # + tp_rank, which is 0 here
+        log.info(
+            "init custom process group: master_address=%s, master_port=%d, rank=%d, world_size=%d, "
+            "group_name=%s, backend=%s",
+            body.master_address, body.master_port, rank, body.world_size, body.group_name, body.backend,
+        )  # fmt: skip
+        try:
+            await asyncio.to_thread(
+                receiver.init_group,
+                body.master_address, body.master_port, body.rank_offset, body.world_size,
+                body.group_name, body.backend,
+            )  # fmt: skip
+        except Exception as exc:
+            log.exception("init_weights_update_group failed")
+            return result(False, f"Failed to initialize custom process group: {exc}.")
+        return result(True, "Succeeded to initialize custom process group.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        body = await read_body(request, DistributedBody)
+        if not engine.session_open:
+            return result(False, OUTSIDE_SESSION.format(endpoint="update_weights_from_distributed"))
+        if not len(body.names) == len(body.dtypes) == len(body.shapes):
+            return result(
+                False,
+                f"names ({len(body.names)}), dtypes ({len(body.dtypes)}) and shapes ({len(body.shapes)}) "
+                "must have the same length",
+            )
+        receiver, error = receiver_or_error()
+        if error is not None:
+            return error
+        if body.abort_all_requests:
+            generator.abort(abort_all=True)
+
+        def run() -> bool:
+            with generator.exclusive():
+                receiver.receive(body.names, body.dtypes, body.shapes, body.group_name, body.load_format)
+                if body.flush_cache and generator.busy():
+                    return False
+                if body.weight_version is not None:
+                    generator.weight_version = body.weight_version
+                return True
+
+        try:
+            flushed = await asyncio.to_thread(run)
+        except Exception as exc:
+            log.exception("update_weights_from_distributed failed")
+            message = str(exc)
+            if not message.startswith("Failed"):
+                message = f"Failed to update weights: {message}"
+            return result(False, message)
+        if not flushed:
+            return result(False, NOT_FLUSHED)
+        message = "Succeeded to update parameter online."
+        if body.weight_version is not None:
+            message += f" Weight version updated to {body.weight_version}."
+        return result(True, message)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> JSONResponse:
+        await read_body(request, TensorBody)
+        if not engine.session_open:
+            return result(False, OUTSIDE_SESSION.format(endpoint="update_weights_from_tensor"))
+        return result(
+            False,
+            "update_weights_from_tensor is not supported by the dsv4rl reference engine (it needs CUDA IPC "
+            "with a co-located trainer); use update_weights_from_distributed.",
+        )
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        body = await read_body(request, DiskBody)
+        if body.abort_all_requests:
+            generator.abort(abort_all=True)
+
+        def run() -> None:
+            from transformers import AutoModelForCausalLM
+
+            source = AutoModelForCausalLM.from_pretrained(body.model_path, dtype=engine.model.dtype)
+            with generator.exclusive():
+                engine.model.load_state_dict(source.state_dict(), strict=True)
+                if body.weight_version is not None:
+                    generator.weight_version = body.weight_version
+
+        try:
+            await asyncio.to_thread(run)
+        except Exception as exc:
+            return result(False, f"Failed to update weights from disk: {exc}", num_paused_requests=0)
+        return result(True, "Succeeded to update model weights.", num_paused_requests=0)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        body = await read_body(request, GroupBody)
+        receiver, error = receiver_or_error()
+        if error is not None:
+            return error
+        if not receiver.has_group(body.group_name):
+            return result(False, "The group to be destroyed does not exist.")
+        try:
+            await asyncio.to_thread(receiver.destroy_group, body.group_name)
+        except Exception as exc:
+            return result(False, f"Failed to destroy custom process group: {exc}.")
+        return result(True, "Succeeded to destroy custom process group.")
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        body = await read_body(request, VersionBody)
+        if body.abort_all_requests:
+            generator.abort(abort_all=True)
+        await asyncio.to_thread(generator.set_weight_version, body.new_version)
+        return JSONResponse(
+            {
+                "success": True,
+                "message": f"Weight version updated to {body.new_version}",
+                "new_version": body.new_version,
+            }
+        )
+
+    @app.api_route("/weights_checker", methods=["GET", "POST"])
+    async def weights_checker(request: Request) -> JSONResponse:
+        body = await read_body(request, CheckerBody)
+        if body.action not in ("checksum", "snapshot", "compare"):
+            return result(
+                False, f"weights_checker action {body.action!r} is not supported by the reference engine"
+            )
+        skip = set(body.skip_tensor_list or [])
+
+        def compute() -> dict[str, str]:
+            with generator.model_lock:
+                sums = checksums(engine.model.state_dict())
+            return {name: digest for name, digest in sums.items() if name not in skip}
+
+        sums = await asyncio.to_thread(compute)
+        if body.action == "snapshot":
+            engine.checksum_snapshot = sums
+            return result(True, f"Snapshot of {len(sums)} tensors taken.")
+        if body.action == "compare":
+            if engine.checksum_snapshot is None:
+                return result(False, "No snapshot: call weights_checker with action snapshot first.")
+            changed = sorted(n for n in sums if engine.checksum_snapshot.get(n) != sums[n])
+            if changed:
+                return result(False, f"{len(changed)} tensors differ from the snapshot: {changed[:10]}")
+            return result(True, "All tensors match the snapshot.")
+        engine_sum = combined_checksum(sums)
+        rank = {
+            "checksums": sums,
+            "per_gpu_checksum": engine_sum,
+            "parallelism_info": {"tp_rank": 0, "tp_size": 1, "dp_rank": 0, "pp_rank": 0, "ep_rank": 0},
+        }
+        return JSONResponse(
+            {"success": True, "message": "", "ranks": [rank], "per_engine_checksum": engine_sum}
+        )
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name() -> JSONResponse:
+        return JSONResponse({"error": {"message": "Get parameter by name failed"}}, status_code=400)
