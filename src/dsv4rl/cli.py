@@ -95,11 +95,12 @@ def train(
     except ConfigError as exc:
         raise _fail(str(exc)) from None
 
-    from dsv4rl.launcher.supervisor import run_training  # heavy imports only when a run starts
+    from dsv4rl.launcher.plan import PortInUse  # heavy imports only when a run starts
+    from dsv4rl.launcher.supervisor import RunDirInUse, run_training
 
     try:
         code = run_training(cfg)
-    except ConfigError as exc:
+    except (ConfigError, PortInUse, RunDirInUse) as exc:
         raise _fail(str(exc)) from None
     except KeyboardInterrupt:
         code = 130

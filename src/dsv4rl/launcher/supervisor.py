@@ -308,11 +308,30 @@ def write_config(cfg: Config, run_dir: Path) -> Path:
     return path
 
 
+class RunDirInUse(ValueError):
+    """The run dir belongs to an earlier run and resume was not asked for."""
+
+
+def check_run_dir(cfg: Config, run_dir: Path) -> None:
+    """A fresh run must not mix its checkpoints and metrics with an earlier run's."""
+    from dsv4rl.train.checkpoint import latest_checkpoint
+
+    if cfg.resume:
+        return
+    previous = latest_checkpoint(run_dir / "checkpoints")
+    if previous is not None:
+        raise RunDirInUse(
+            f"{run_dir} already holds a run (checkpoint {previous.name}): pass resume=true to continue it, "
+            "or choose a new run.dir"
+        )
+
+
 def run_training(cfg: Config, *, console: Console | None = None, plan_builder=build_local_plan) -> int:
     """`dsv4rl train`: check ports, prepare the run dir and model, run the node's processes to the end."""
     console = console or Console()
     run_dir = Path(cfg.run.dir).resolve()
     check_ports(cfg)  # before anything is written or started
+    check_run_dir(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     write_config(cfg, run_dir)

@@ -1,0 +1,414 @@
+"""The trainer side of checkpoint-free weight sync: rank 0 broadcasts the weights to every engine.
+
+Protocol (sglang-contract.md §5.2): the trainer is rank 0 of a custom process group; engine i joins at
+`rank_offset = 1 + ranks of engines before it`. Each update request (`/update_weights_from_distributed`,
+one per bucket) is POSTed to every engine and, while those POSTs are in flight, the trainer broadcasts
+the bucket's tensors in `names` order. The POSTs run on a private asyncio loop in a helper thread, so
+`WeightSync` is a blocking API callable from any thread (not from inside a running event loop's thread
+without `asyncio.to_thread`); `EngineClient` keeps one httpx client per loop, so the same clients can
+serve rollouts on another loop meanwhile.
+
+Failures never hang for long: a POST that fails while broadcasts are outstanding (e.g. HTTP 400 because
+the engine refused the request before receiving) is reported at once with the engine's message; a peer
+that stops mid-transfer trips the group timeout (`sync.timeout_s`). Either way the group is marked
+broken: `close()` then `connect()` again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from dsv4rl.model.naming import UnknownTensorName, hf_to_native
+from dsv4rl.sync.buckets import (
+    FLATTENED_BUCKET,
+    NamedTensor,
+    bucket_metadata,
+    flatten_bucket,
+    iter_buckets,
+    parse_dtype,
+    sort_for_flattening,
+)
+from dsv4rl.sync.loop_thread import LoopThread
+from dsv4rl.sync.process_group import (
+    BACKENDS,
+    destroy_custom_process_group,
+    format_init_method,
+    init_custom_process_group,
+)
+
+__all__ = ["SyncStats", "WeightSync", "WeightSyncError"]
+
+log = logging.getLogger("dsv4rl.sync")
+_POLL_S = 0.001
+NAMINGS = ("native", "hf")
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync step failed; the message names the engine and step and says how to recover."""
+
+
+@dataclass
+class SyncStats:
+    """One push: payload bytes, wall seconds (pause to continue), buckets and tensors sent."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    buckets: int = 0
+    tensors: int = 0
+    transfer_seconds: float = 0.0  # time inside the bucket transfers (POST ∥ broadcast) only
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def transfer_gb_per_s(self) -> float:
+        return self.bytes / self.transfer_seconds / 1e9 if self.transfer_seconds > 0 else 0.0
+
+
+def _engine(client: Any) -> str:
+    return str(getattr(client, "base_url", client))
+
+
+class WeightSync:
+    """Pushes trainer weights to SGLang-protocol engines over a broadcast group (trainer = rank 0).
+
+    `clients` are `EngineClient`s (or anything with the same async methods). `engine_ranks[i]` is engine
+    i's TP size, the ranks it adds to the group (1 for the reference engine). `load_format` is None (one
+    broadcast per tensor) or "flattened_bucket" (one per bucket); when None it is read from
+    `sync_cfg.load_format` if that field exists.
+    """
+
+    def __init__(
+        self,
+        clients: Sequence[Any],
+        sync_cfg: Any,
+        backend: str,
+        master_address: str,
+        master_port: int,
+        *,
+        engine_ranks: Sequence[int] | None = None,
+        load_format: str | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not clients:
+            raise ValueError("WeightSync needs at least one engine client")
+        backend = str(backend).lower()
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown weight-sync backend {backend!r}; choose from {list(BACKENDS)}")
+        if sync_cfg.naming not in NAMINGS:
+            raise ValueError(f"sync.naming must be one of {list(NAMINGS)}, got {sync_cfg.naming!r}")
+        if sync_cfg.pause_mode not in PAUSE_MODES:
+            raise ValueError(
+                f"sync.pause_mode must be one of {list(PAUSE_MODES)}, got {sync_cfg.pause_mode!r}"
+            )
+        if sync_cfg.bucket_bytes <= 0:
+            raise ValueError(f"sync.bucket_bytes must be positive, got {sync_cfg.bucket_bytes}")
+        if sync_cfg.timeout_s <= 0:
+            raise ValueError(f"sync.timeout_s must be positive, got {sync_cfg.timeout_s}")
+        load_format = load_format if load_format is not None else getattr(sync_cfg, "load_format", None)
+        if load_format not in (None, FLATTENED_BUCKET):
+            raise ValueError(f"load_format must be null or {FLATTENED_BUCKET!r}, got {load_format!r}")
+        ranks = [1] * len(clients) if engine_ranks is None else [int(r) for r in engine_ranks]
+        if len(ranks) != len(clients) or any(r < 1 for r in ranks):
+            raise ValueError(f"engine_ranks must give a positive rank count per engine, got {engine_ranks}")
+        self.clients = list(clients)
+        self.cfg = sync_cfg
+        self.backend = backend
+        self.master_address = master_address
+        self.master_port = int(master_port)
+        self.engine_ranks = ranks
+        self.world_size = 1 + sum(ranks)
+        self.load_format = load_format
+        if device is None:
+            device = "cpu" if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device(device)
+        self._pg: dist.ProcessGroup | None = None
+        self._broken: str | None = None
+        self._http: LoopThread | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------ plumbing
+    @property
+    def connected(self) -> bool:
+        return self._pg is not None
+
+    def _loop(self) -> LoopThread:
+        if self._http is None:
+            self._http = LoopThread()
+        return self._http
+
+    def _call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method` on every engine concurrently; raise naming each engine that failed."""
+        loop = self._loop()
+        futures = [(c, loop.submit(getattr(c, method)(*args, **kwargs))) for c in self.clients]
+        results, errors = [], []
+        for client, future in futures:
+            try:
+                results.append(future.result(timeout=self.cfg.timeout_s + 5))
+            except Exception as exc:  # EngineError names engine and endpoint; add it if something else
+                errors.append(exc if _engine(client) in str(exc) else f"engine {_engine(client)}: {exc!r}")
+        if errors:
+            raise WeightSyncError(f"{method} failed: " + "; ".join(map(str, errors)))
+        return results
+
+    # ------------------------------------------------------------------------------------------ connect
+    def connect(self) -> None:
+        """Create the group: every engine joins from its POST while this process joins as rank 0."""
+        with self._lock:
+            if self._pg is not None:
+                raise WeightSyncError("already connected; call close() before connect()")
+            loop = self._loop()
+            posts, offset = [], 1
+            for client, ranks in zip(self.clients, self.engine_ranks, strict=True):
+                coro = client.init_weights_update_group(
+                    self.master_address,
+                    self.master_port,
+                    offset,
+                    self.world_size,
+                    self.cfg.group_name,
+                    self.backend,
+                )
+                posts.append((client, loop.submit(coro)))
+                offset += ranks
+            joined: dict[str, Any] = {}
+
+            def join() -> None:
+                try:
+                    joined["pg"] = init_custom_process_group(
+                        self.backend,
+                        format_init_method(self.master_address, self.master_port),
+                        world_size=self.world_size,
+                        rank=0,
+                        group_name=self.cfg.group_name,
+                        timeout=self.cfg.timeout_s,
+                    )
+                except BaseException as exc:  # reported by the waiting thread
+                    joined["error"] = exc
+
+            thread = threading.Thread(target=join, name="dsv4rl-weight-sync-join", daemon=True)
+            thread.start()
+            deadline = time.monotonic() + self.cfg.timeout_s + 10
+            where = (
+                f"{self.master_address}:{self.master_port} (group {self.cfg.group_name!r}, {self.backend})"
+            )
+            while True:
+                for client, future in posts:
+                    if future.done() and future.exception() is not None:
+                        raise WeightSyncError(
+                            f"engine {_engine(client)} could not join the weight-update group at {where}: "
+                            f"{future.exception()}. The trainer's half-built group is abandoned "
+                            f"(it times out after sync.timeout_s={self.cfg.timeout_s:g} s)."
+                        )
+                if "error" in joined:
+                    error = joined["error"]
+                    raise WeightSyncError(
+                        f"the trainer could not create the weight-update group at {where}: {error!r}"
+                    )
+                if not thread.is_alive() and all(f.done() for _, f in posts):
+                    break
+                if time.monotonic() > deadline:
+                    waiting = [_engine(c) for c, f in posts if not f.done()]
+                    raise WeightSyncError(
+                        f"timed out joining the weight-update group at {where}; "
+                        f"still waiting for: {waiting or ['the trainer rendezvous']}"
+                    )
+                time.sleep(0.01)
+            self._pg, self._broken = joined["pg"], None
+            log.info("weight-update group %s ready: world_size=%d", where, self.world_size)
+
+    # ------------------------------------------------------------------------------------------ push
+    def push(self, named_weights: Iterable[NamedTensor], version: str) -> SyncStats:
+        """Pause, open a session, send every bucket (POST ∥ broadcast), close, flush, version, continue.
+
+        On failure the engines stay paused with a partial update and WeightSyncError says what failed.
+        """
+        with self._lock:
+            if self._pg is None:
+                raise WeightSyncError("not connected: call connect() before push()")
+            if self._broken:
+                raise WeightSyncError(
+                    f"the weight-update group is unusable ({self._broken}); close() and connect()"
+                )
+            stats = SyncStats()
+            start = time.monotonic()
+            self._call_all("pause_generation", mode=self.cfg.pause_mode)
+            self._call_all("begin_weight_update")
+            try:
+                buckets = iter_buckets(self._wire_names(named_weights), self.cfg.bucket_bytes)
+                current = next(buckets, None)
+                if current is None:
+                    raise WeightSyncError("push() got no tensors")
+                while current is not None:
+                    following = next(buckets, None)
+                    self._send_bucket(current, version if following is None else None, stats)
+                    current = following
+            except Exception:
+                try:  # close the session so a later push can open one; the engines stay paused
+                    self._call_all("end_weight_update")
+                except WeightSyncError as exc:
+                    log.warning("after a failed push: %s", exc)
+                raise
+            self._call_all("end_weight_update")
+            try:
+                self._call_all("flush_cache")
+            except WeightSyncError as exc:
+                if self.cfg.pause_mode != "in_place":
+                    raise
+                # in_place keeps the paused requests and their (now stale) KV: flushing is refused then
+                log.warning("cache not flushed after an in_place pause (stale KV kept): %s", exc)
+            self._call_all("update_weight_version", version, abort_all_requests=False)
+            self._call_all("continue_generation")
+            stats.seconds = time.monotonic() - start
+            log.info(
+                "weights %s pushed: %d tensors in %d buckets, %.1f MB in %.2f s (%.3f GB/s)",
+                *(version, stats.tensors, stats.buckets, stats.bytes / 1e6, stats.seconds, stats.gb_per_s),
+            )
+            return stats
+
+    def _wire_names(self, named_weights: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
+        for name, tensor in named_weights:
+            if isinstance(tensor, DTensor):
+                raise WeightSyncError(
+                    f"{name} is a sharded DTensor: pass full tensors, gathered on every rank first "
+                    "(FSDPTrainEngine.named_weights_for_sync)"
+                )
+            if self.cfg.naming != "native":
+                yield name, tensor
+                continue
+            try:
+                yield from list(hf_to_native(name, tensor))
+            except UnknownTensorName:
+                yield name, tensor  # already a native (or SGLang) name: the engine is the judge
+
+    def _send_bucket(self, bucket: list[NamedTensor], weight_version: str | None, stats: SyncStats) -> None:
+        if self.load_format == FLATTENED_BUCKET:
+            bucket = sort_for_flattening(bucket)
+        meta = bucket_metadata(bucket)
+        for name, dtype in zip(meta["names"], meta["dtypes"], strict=True):
+            try:
+                parse_dtype(dtype)
+            except ValueError as error:
+                raise WeightSyncError(f"{name}: {error}") from None
+        tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
+        if self.load_format == FLATTENED_BUCKET:
+            payload = [flatten_bucket(list(zip(meta["names"], tensors, strict=True)), self.device)]
+        else:
+            payload = tensors
+        what = f"bucket {stats.buckets} ({len(bucket)} tensors from {meta['names'][0]})"
+        loop = self._loop()
+        start = time.monotonic()
+        names, dtypes, shapes = meta["names"], meta["dtypes"], meta["shapes"]
+        options = {"flush_cache": False, "weight_version": weight_version, "load_format": self.load_format}
+        posts = [
+            (
+                c,
+                loop.submit(
+                    c.update_weights_from_distributed(names, dtypes, shapes, self.cfg.group_name, **options)
+                ),
+            )
+            for c in self.clients
+        ]
+        works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for t in payload]
+        self._wait_transfer(works, posts, what)
+        stats.transfer_seconds += time.monotonic() - start
+        stats.buckets += 1
+        stats.tensors += len(bucket)
+        stats.bytes += sum(t.numel() * t.element_size() for t in tensors)
+
+    def _wait_transfer(self, works: list[Any], posts: list[tuple[Any, cf.Future]], what: str) -> None:
+        deadline = time.monotonic() + self.cfg.timeout_s
+        futures = [f for _, f in posts]
+        while not all(w.is_completed() for w in works):
+            failed = [(c, f) for c, f in posts if f.done() and f.exception() is not None]
+            if failed:
+                self._broken = f"{what} was refused while its broadcasts were outstanding"
+                works.clear()  # a traceback must not keep the group's pending work alive
+                raise WeightSyncError(
+                    f"{what}: " + "; ".join(self._post_error(c, f) for c, f in failed) + ". Its broadcasts "
+                    "were never received, so the group is unusable: close() and connect() again "
+                    "(engines are left paused)."
+                )
+            if time.monotonic() > deadline:
+                self._broken = f"{what} timed out"
+                works.clear()
+                raise WeightSyncError(
+                    f"{what}: broadcasts not received within sync.timeout_s={self.cfg.timeout_s:g} s; "
+                    + self._post_states(posts)
+                )
+            pending = [f for f in futures if not f.done()]
+            if pending:
+                cf.wait(pending, timeout=_POLL_S, return_when=cf.FIRST_COMPLETED)
+            else:
+                time.sleep(_POLL_S)
+        try:
+            for work in works:
+                work.wait()
+        except Exception as exc:
+            self._broken = f"{what} broadcast failed"
+            cf.wait(futures, timeout=1.0)
+            raise WeightSyncError(f"{what}: broadcast failed: {exc}; {self._post_states(posts)}") from exc
+        cf.wait(futures, timeout=self.cfg.timeout_s + 5)
+        errors = [self._post_error(c, f) for c, f in posts if not f.done() or f.exception() is not None]
+        if errors:
+            raise WeightSyncError(
+                f"{what}: the engine did not load it: {'; '.join(errors)} "
+                "(engines are left paused with a partial update)"
+            )
+
+    @staticmethod
+    def _post_error(client: Any, future: cf.Future) -> str:
+        if not future.done():
+            return f"engine {_engine(client)}: no answer"
+        exc = future.exception()
+        return str(exc) if _engine(client) in str(exc) else f"engine {_engine(client)}: {exc!r}"
+
+    def _post_states(self, posts: list[tuple[Any, cf.Future]]) -> str:
+        return "; ".join(
+            self._post_error(c, f) if not f.done() or f.exception() else f"engine {_engine(c)}: ok"
+            for c, f in posts
+        )
+
+    # ------------------------------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Destroy the group on the engines and here, and stop the HTTP thread; safe to call twice."""
+        with self._lock:
+            errors = []
+            if self._pg is not None:
+                loop = self._loop()
+                posts = [
+                    (c, loop.submit(c.destroy_weights_update_group(self.cfg.group_name)))
+                    for c in self.clients
+                ]
+                pg, self._pg, self._broken = self._pg, None, None
+                try:
+                    destroy_custom_process_group(pg)
+                except Exception as exc:
+                    errors.append(f"trainer: {exc!r}")
+                cf.wait([f for _, f in posts], timeout=30)
+                errors += [
+                    self._post_error(c, f) for c, f in posts if not f.done() or f.exception() is not None
+                ]
+            if self._http is not None:
+                http, self._http = self._http, None
+                http.stop([c.aclose() for c in self.clients if hasattr(c, "aclose")])
+            if errors:
+                log.warning("closing the weight-update group: %s", "; ".join(errors))
+
+    def __enter__(self) -> WeightSync:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

@@ -1,0 +1,223 @@
+"""The RL loop, one step top to bottom: rollout -> reward -> advantages -> train -> weight sync.
+
+Every training rank runs `RLLoop.run`; rank 0 also drives the engines (rollout and weight sync)
+and writes metrics. The other ranks receive each step's batch from rank 0 and train on their
+shard. Nothing here knows which train engine or which rollout engine is behind the seams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dsv4rl.algo.dapo import keep_informative_groups, overlong_penalty
+from dsv4rl.algo.grpo import group_advantages
+from dsv4rl.config.schema import Config
+from dsv4rl.data.stream import PromptStream
+from dsv4rl.metrics import MetricsWriter, StepTimer
+from dsv4rl.reward.graders import Grader, grade_batch
+from dsv4rl.rollout.client import EngineClient
+from dsv4rl.rollout.generate import generate_samples
+from dsv4rl.rollout.types import Sample
+from dsv4rl.sync.weight_sync import WeightSync
+from dsv4rl.train.batch import TrainBatch
+from dsv4rl.train.checkpoint import checkpoint_dir, latest_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Driver:
+    """What only rank 0 holds: the engines, the weight sync, the data, the grader and the metrics file."""
+
+    clients: Sequence[EngineClient]
+    sync: WeightSync
+    stream: PromptStream
+    grader: Grader
+    tokenizer: object
+    writer: MetricsWriter
+    event_loop: asyncio.AbstractEventLoop
+
+
+def rollout_seed(seed: int, step: int, attempt: int = 0) -> int:
+    """A sampling seed per step, so a resumed run samples what the uninterrupted run sampled."""
+    return (seed * 1_000_003 + step * 7_919 + attempt * 104_729) % (2**31 - 1)
+
+
+def shape_rewards(cfg: Config, samples: list[Sample], rewards: list[float]) -> torch.Tensor:
+    """Grader rewards plus DAPO's soft overlong penalty when enabled."""
+    reward = torch.tensor(rewards, dtype=torch.float32)
+    if cfg.algo.overlong.enabled:
+        lengths = torch.tensor([len(sample.response_ids) for sample in samples])
+        overlong = cfg.algo.overlong
+        max_len = overlong.expected_len + overlong.buffer_len
+        reward = reward + overlong_penalty(lengths, max_len, overlong.buffer_len, overlong.penalty)
+    return reward
+
+
+class RLLoop:
+    def __init__(self, cfg: Config, engine, run_dir: Path, driver: Driver | None) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.run_dir = run_dir
+        self.driver = driver
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.checkpoint_root = run_dir / "checkpoints"
+
+    # ----------------------------------------------------------------- setup
+    def resume(self) -> int:
+        """Load the newest checkpoint when `resume=true`; returns the step it holds (0 when none)."""
+        if not self.cfg.resume:
+            return 0
+        checkpoint = latest_checkpoint(self.checkpoint_root)
+        if checkpoint is None:
+            if self.rank == 0:
+                log.warning(
+                    "resume=true but %s has no checkpoint: starting from step 0", self.checkpoint_root
+                )
+            return 0
+        extra = self.engine.load_checkpoint(str(checkpoint))  # also restores each rank's RNG states
+        if self.driver is not None:
+            self.driver.stream.load_state_dict(extra["data"])
+        if self.rank == 0:
+            log.info("resumed from %s (step %d)", checkpoint, extra["step"])
+        return int(extra["step"])
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        start = self.resume()
+        if self.driver is not None:
+            self.driver.writer = MetricsWriter(self.driver.writer.path, resume_from_step=start)
+        # The engines start from the model directory; after a resume they must hold the resumed weights.
+        self.sync_weights(version=start)
+        for step in range(start + 1, self.cfg.train.steps + 1):
+            self.step(step)
+            every = self.cfg.train.checkpoint_every
+            if every and (step % every == 0 or step == self.cfg.train.steps):
+                self.save_checkpoint(step)
+
+    def step(self, step: int) -> None:
+        timer = StepTimer()
+        batch, rollout_metrics = self.collect_batch(step, timer) if self.rank == 0 else (None, {})
+        batch = self.share_batch(batch)
+        with timer.phase("train"):
+            train_metrics = self.engine.train_step(
+                batch.shard(self.rank, self.world_size, num_mini_batches=self.cfg.algo.updates_per_step),
+                temperature=self.cfg.algo.sampling.temperature,
+            )
+        with timer.phase("sync"):
+            sync_stats = self.sync_weights(version=step)
+        if self.driver is not None:
+            metrics = {"step": step, **rollout_metrics, **train_metrics, **timer.as_metrics()}
+            metrics["sync_bytes"] = sync_stats.bytes if sync_stats else 0
+            metrics["sync_gb_per_s"] = sync_stats.gb_per_s if sync_stats else 0.0
+            self.driver.writer.write(metrics)
+
+    # -------------------------------------------------------- rank 0: rollout
+    def collect_batch(self, step: int, timer: StepTimer) -> tuple[TrainBatch, dict[str, float]]:
+        driver = self.driver
+        algo = self.cfg.algo
+        problems = driver.stream.next_batch()
+        kept: list[Sample] = []
+        all_rewards: list[float] = []
+        all_lengths: list[int] = []
+        truncated = 0
+        attempt = 0
+        wanted = len(problems) * algo.group_size
+        while True:
+            with timer.phase("rollout"):
+                samples = driver.event_loop.run_until_complete(
+                    generate_samples(
+                        driver.clients,
+                        problems,
+                        driver.tokenizer,
+                        algo.group_size,
+                        algo.sampling,
+                        seed=rollout_seed(self.cfg.seed, step, attempt),
+                    )
+                )
+            with timer.phase("reward"):
+                raw = grade_batch(
+                    driver.grader, [s.response_text for s in samples], [s.answer for s in samples]
+                )
+                rewards = shape_rewards(self.cfg, samples, raw)
+            all_rewards += rewards.tolist()
+            all_lengths += [len(s.response_ids) for s in samples]
+            truncated += sum(s.truncated for s in samples)
+            for sample, reward in zip(samples, rewards.tolist(), strict=True):
+                sample.reward = reward
+            if not algo.dynamic_sampling.enabled:
+                kept = samples
+                break
+            # DAPO dynamic sampling: keep groups whose rewards differ, over-sample to refill the batch.
+            keep = keep_informative_groups(rewards, algo.group_size)
+            kept += [s for s in samples if keep[s.group]]
+            attempt += 1
+            if len(kept) >= wanted or attempt * len(
+                problems
+            ) >= algo.dynamic_sampling.max_oversample_factor * len(problems):
+                break
+            problems = driver.stream.next_batch()
+        kept = self.fit_to_data_parallel(kept[:wanted] if len(kept) > wanted else kept)
+        rewards = torch.tensor([s.reward for s in kept])
+        advantages = group_advantages(rewards, algo.group_size, normalize_std=algo.normalize_std)
+        for sample, advantage in zip(kept, advantages.tolist(), strict=True):
+            sample.advantage = advantage
+        batch = TrainBatch.from_samples(kept, pad_id=driver.tokenizer.pad_token_id)
+        reward_tensor = torch.tensor(all_rewards)
+        metrics = {
+            "reward_mean": reward_tensor.mean().item(),
+            "reward_std": reward_tensor.std().item() if len(all_rewards) > 1 else 0.0,
+            "response_len_mean": float(np.mean(all_lengths)),
+            "truncated_fraction": truncated / len(all_lengths),
+            "samples": len(all_rewards),
+            "samples_trained": len(kept),
+        }
+        return batch, metrics
+
+    def fit_to_data_parallel(self, samples: list[Sample]) -> list[Sample]:
+        """Whole groups only, and a count every data-parallel rank can take an equal share of."""
+        group_size = self.cfg.algo.group_size
+        groups = len(samples) // group_size
+        while groups > 0 and (groups * group_size) % self.world_size:
+            groups -= 1
+        if groups == 0:
+            raise RuntimeError(
+                "dynamic sampling left no group with differing rewards; raise "
+                "algo.dynamic_sampling.max_oversample_factor or turn dynamic sampling off"
+            )
+        kept = samples[: groups * group_size]
+        for index, sample in enumerate(kept):
+            sample.group = index // group_size
+        return kept
+
+    def share_batch(self, batch: TrainBatch | None) -> TrainBatch:
+        if self.world_size == 1:
+            return batch
+        box = [batch]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ------------------------------------------------------------ weight sync
+    def sync_weights(self, version: int):
+        """Every rank takes part in gathering full tensors; rank 0 broadcasts them to the engines."""
+        named = self.engine.named_weights_for_sync()
+        if self.driver is None:
+            for _ in named:
+                pass
+            return None
+        return self.driver.sync.push(named, version=str(version))
+
+    # ------------------------------------------------------------- checkpoint
+    def save_checkpoint(self, step: int) -> None:
+        """Model, optimizer, RNG states (saved by the engine) plus the step and the data cursor."""
+        extra = {"step": step, "data": self.driver.stream.state_dict() if self.driver is not None else None}
+        self.engine.save_checkpoint(str(checkpoint_dir(self.checkpoint_root, step)), extra)

@@ -1,0 +1,129 @@
+"""The training rank: `torchrun ... -m dsv4rl.train.worker --config RUN_DIR/config.yaml`.
+
+Sets up the process group, the train engine and (on rank 0) the engines' clients, the weight
+sync, the data and the grader, then hands over to `RLLoop`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import transformers
+
+from dsv4rl.config.compose import load_config_file
+from dsv4rl.config.schema import Config
+from dsv4rl.data.stream import build_prompt_stream
+from dsv4rl.launcher.plan import engine_urls
+from dsv4rl.metrics import MetricsWriter
+from dsv4rl.model.tiny import load_tokenizer
+from dsv4rl.reward.graders import get_grader
+from dsv4rl.rollout.client import EngineClient
+from dsv4rl.sync.weight_sync import WeightSync
+from dsv4rl.train.fsdp_engine import FSDPTrainEngine
+from dsv4rl.train.loop import Driver, RLLoop
+
+log = logging.getLogger("dsv4rl.train")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_driver(
+    cfg: Config, run_dir: Path, model_path: str, event_loop: asyncio.AbstractEventLoop
+) -> Driver:
+    clients = [
+        EngineClient(
+            url,
+            timeout_s=cfg.engine.request_timeout_s,
+            retries=cfg.engine.retries,
+            max_concurrency=cfg.engine.max_concurrency,
+        )
+        for url in engine_urls(cfg)
+    ]
+    rollout = cfg.parallel.rollout
+    # Each engine joins the group with one rank per tensor-parallel GPU (the reference engine: one).
+    ranks_per_engine = 1 if rollout.engine.value == "reference" else rollout.tensor_parallel
+    sync = WeightSync(
+        clients,
+        cfg.sync,
+        backend=cfg.comm.backend.value,
+        master_address=cfg.cluster.master_addr,
+        master_port=cfg.cluster.weight_sync_port,
+        engine_ranks=[ranks_per_engine] * len(clients),
+    )
+    tokenizer = load_tokenizer(cfg.model) if cfg.model.path is None else load_tokenizer_from(model_path)
+    return Driver(
+        clients=clients,
+        sync=sync,
+        stream=build_prompt_stream(cfg),
+        grader=get_grader(cfg.reward.grader, reward=cfg.reward),
+        tokenizer=tokenizer,
+        writer=MetricsWriter(run_dir / "metrics.jsonl"),
+        event_loop=event_loop,
+    )
+
+
+def load_tokenizer_from(model_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True, help="the resolved config.yaml the launcher wrote")
+    args = parser.parse_args(argv)
+    cfg = load_config_file(args.config)
+    run_dir = Path(cfg.run.dir)
+    model_path = cfg.model.path or str(run_dir / "model")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group(backend=cfg.comm.backend.value)
+    rank = dist.get_rank()
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
+        stream=sys.stdout,
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call drowns the step logs
+    transformers.utils.logging.disable_progress_bar()
+    seed_everything(cfg.seed + rank)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    event_loop = asyncio.new_event_loop()
+    driver = None
+    try:
+        engine = FSDPTrainEngine(cfg, model_path, device)
+        if rank == 0:
+            driver = build_driver(cfg, run_dir, model_path, event_loop)
+            log.info("joining the weight-update group of %d engine(s)", len(driver.clients))
+            driver.sync.connect()
+        RLLoop(cfg, engine, run_dir, driver).run()
+        log.info("training finished")
+        return 0
+    finally:
+        if driver is not None:
+            driver.sync.close()
+            for client in driver.clients:
+                event_loop.run_until_complete(client.aclose())
+        event_loop.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

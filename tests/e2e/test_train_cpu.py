@@ -1,0 +1,177 @@
+"""End-to-end runs of `dsv4rl train` on the tiny model: real engine, real trainer, real weight sync.
+
+These start the CLI as a user would (a subprocess), so they cover the recipe, the supervisor, the
+reference engine, torchrun + FSDP2, the broadcast weight sync, checkpoints and the metrics file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from dsv4rl.metrics import STEP_KEYS, read_metrics
+
+pytestmark = pytest.mark.slow
+
+CLI = [sys.executable, "-m", "dsv4rl.cli", "train"]
+NON_TIMING = ("reward_mean", "reward_std", "response_len_mean", "grad_norm", "entropy", "sync_bytes")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def port_overrides() -> list[str]:
+    return [
+        f"engine.port={free_port()}",
+        f"cluster.master_port={free_port()}",
+        f"cluster.weight_sync_port={free_port()}",
+    ]
+
+
+def train(run_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    argv = [
+        *CLI,
+        "recipe=tiny_arith",
+        f"run.dir={run_dir}",
+        "run.progress=false",
+        *port_overrides(),
+        *overrides,
+    ]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def model_weights(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    flat = tmp_path / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
+    dcp_to_torch_save(str(checkpoint), str(flat))
+    return torch.load(flat, weights_only=False)["model"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> Path:
+    """The README's demo: `dsv4rl train recipe=tiny_arith` with the recipe as shipped."""
+    run_dir = tmp_path_factory.mktemp("demo") / "run"
+    train(run_dir)
+    return run_dir
+
+
+def test_tiny_arith_learns(demo_run: Path) -> None:
+    metrics = read_metrics(demo_run / "metrics.jsonl")
+    rewards = [line["reward_mean"] for line in metrics]
+    assert [line["step"] for line in metrics] == list(range(1, len(metrics) + 1))
+    assert all(key in line for line in metrics for key in STEP_KEYS)
+    assert sum(rewards[:5]) / 5 <= 0.3, rewards[:5]
+    assert sum(rewards[-10:]) / 10 >= 0.8, rewards[-10:]
+    # fp32 both sides, cached decoding equal to a full forward: the engine's log-probs are the trainer's.
+    assert max(line["logprob_abs_diff"] for line in metrics) < 1e-4
+    assert all(line["sync_bytes"] > 0 for line in metrics)
+
+
+def test_same_seed_same_curve(demo_run: Path, tmp_path: Path) -> None:
+    """A shorter run with the same seed retraces the first steps of the demo exactly."""
+    run_dir = tmp_path / "again"
+    train(run_dir, "train.steps=6")
+    again = read_metrics(run_dir / "metrics.jsonl")
+    first = read_metrics(demo_run / "metrics.jsonl")[:6]
+    for ours, theirs in zip(again, first, strict=True):
+        assert {key: ours[key] for key in NON_TIMING} == {key: theirs[key] for key in NON_TIMING}
+
+
+def test_resume_reaches_the_same_weights(tmp_path: Path) -> None:
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    train(straight, "train.steps=4", "train.checkpoint_every=2")
+    train(stopped, "train.steps=2", "train.checkpoint_every=2")
+    result = train(stopped, "train.steps=4", "train.checkpoint_every=2", "resume=true")
+    assert "resumed from" in (stopped / "logs" / "trainer.log").read_text(), result.stdout
+
+    ours = model_weights(stopped / "checkpoints" / "step_00000004", tmp_path)
+    theirs = model_weights(straight / "checkpoints" / "step_00000004", tmp_path)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    # The engine held the resumed weights before its first rollout: steps 3-4 sampled the same responses.
+    resumed, uninterrupted = (read_metrics(run / "metrics.jsonl") for run in (stopped, straight))
+    assert [line["step"] for line in resumed] == [1, 2, 3, 4]
+    for ours_line, theirs_line in zip(resumed, uninterrupted, strict=True):
+        assert {key: ours_line[key] for key in NON_TIMING} == {key: theirs_line[key] for key in NON_TIMING}
+
+
+def test_two_trainer_ranks(tmp_path: Path) -> None:
+    """FSDP2 over 2 gloo ranks: both train, rank 0 drives the engine and the sync."""
+    run_dir = tmp_path / "fsdp2"
+    train(run_dir, "parallel=cpu_fsdp2", "train.steps=3")
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert [line["step"] for line in metrics] == [1, 2, 3]
+    assert max(line["logprob_abs_diff"] for line in metrics) < 1e-4
+    assert "rank1" in (run_dir / "logs" / "trainer.log").read_text()
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_engine_killed_mid_run_stops_everything(tmp_path: Path) -> None:
+    run_dir = tmp_path / "killed"
+    argv = [*CLI, "recipe=tiny_arith", f"run.dir={run_dir}", "run.progress=false", "train.steps=200"]
+    process = subprocess.Popen(
+        [*argv, *port_overrides()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "no step finished in 300 s"
+            time.sleep(0.5)
+        children = descendants(process.pid)
+        engine = [pid for pid in children if "dsv4rl.engine" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(engine) == 1, children
+        os.kill(engine[0], signal.SIGKILL)
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode != 0
+    assert "engine-0" in output and "ready to roll" in output  # names the child and shows its last log lines
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in children if alive(pid)], "orphan processes left behind"
+    assert len(json.loads(metrics.read_text().splitlines()[0])) >= len(STEP_KEYS)

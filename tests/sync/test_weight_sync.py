@@ -1,0 +1,172 @@
+"""End to end: WeightSync pushes a trainer model into a real reference engine over gloo.
+
+The engine (`python -m dsv4rl.engine`, its /update_weights_from_distributed calling the real
+WeightReceiver) starts from seed ENGINE_SEED; the trainer holds a different model. After a push the
+engine's tensors equal the trainer's bit for bit (sha256 of the raw bytes, native names, incl. the int64
+tid2eid tables and e_score_correction_bias) and both compute the same logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import torch
+from sync_helpers import TRAINER_SEED, free_port, trainer_model
+
+from dsv4rl.config.schema import SyncConfig
+from dsv4rl.engine.checksum import checksums
+from dsv4rl.rollout.client import EngineClient
+from dsv4rl.sync.weight_sync import SyncStats, WeightSync, WeightSyncError
+
+TOKENS = [0, 5, 9, 13, 4, 22, 7, 7, 15, 3, 11, 20, 6, 18, 2, 9, 1, 14, 8, 25, 10, 12, 5, 17]
+
+
+def engine_checksums(url: str) -> dict[str, str]:
+    body = httpx.post(f"{url}/weights_checker", json={"action": "checksum"}, timeout=30).json()
+    return body["ranks"][0]["checksums"]
+
+
+def engine_logprobs(url: str) -> torch.Tensor:
+    async def go() -> dict:
+        client = EngineClient(url, timeout_s=60)
+        try:
+            return await client.generate(TOKENS, {"max_new_tokens": 1, "temperature": 0.0}, True, 0)
+        finally:
+            await client.aclose()
+
+    out = asyncio.run(go())
+    return torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
+
+
+@torch.no_grad()
+def trainer_logprobs(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.tensor([TOKENS])
+    logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+    return logprobs.gather(1, ids[0, 1:, None]).squeeze(1)
+
+
+def make_sync(url: str | list[str], bucket_bytes: int, **kwargs) -> WeightSync:
+    cfg = SyncConfig(
+        bucket_bytes=bucket_bytes, timeout_s=kwargs.pop("timeout_s", 60.0), **kwargs.pop("cfg", {})
+    )
+    clients = [EngineClient(u, timeout_s=60) for u in ([url] if isinstance(url, str) else url)]
+    return WeightSync(clients, cfg, "gloo", "127.0.0.1", free_port(), **kwargs)
+
+
+def assert_engine_holds(url: str, model: torch.nn.Module) -> None:
+    expected = checksums(model.state_dict())
+    got = engine_checksums(url)
+    assert got.keys() == expected.keys()
+    differing = sorted(name for name in expected if got[name] != expected[name])
+    assert not differing, f"{len(differing)} tensors differ after the sync: {differing[:8]}"
+    assert (engine_logprobs(url) - trainer_logprobs(model)).abs().mean().item() < 1e-4
+
+
+def version_of(url: str) -> str:
+    return httpx.get(f"{url}/model_info", timeout=10).json()["weight_version"]
+
+
+def test_push_many_buckets_native_names(engine_url: str) -> None:
+    model = trainer_model(TRAINER_SEED)
+    before = engine_checksums(engine_url)
+    ours = checksums(model.state_dict())
+    assert all(before[name] != ours[name] for name in ours), (
+        "every tensor must change, or the test proves little"
+    )
+    assert any("tid2eid" in n for n in ours) and any(n.endswith("ffn.gate.bias") for n in ours)
+
+    sync = make_sync(engine_url, bucket_bytes=32 * 1024)
+    try:
+        sync.connect()
+        stats = sync.push(model.state_dict().items(), "v1")
+    finally:
+        sync.close()
+    assert isinstance(stats, SyncStats)
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert stats.bytes == total and stats.buckets > 20 and stats.tensors > 89 and stats.gb_per_s > 0
+    assert version_of(engine_url) == "v1"
+    assert_engine_holds(engine_url, model)
+
+
+def test_push_flattened_buckets_to_two_engines(engine_urls: list[str]) -> None:
+    """Two engines: ranks 1 and 2 of a world of 3; one flattened broadcast per bucket reaches both."""
+    model = trainer_model(TRAINER_SEED + 1)
+    with make_sync(engine_urls, bucket_bytes=64 * 1024, load_format="flattened_bucket") as sync:
+        assert sync.world_size == 3
+        stats = sync.push(model.state_dict().items(), "v2-flat")
+    assert stats.buckets > 5
+    for url in engine_urls:
+        assert version_of(url) == "v2-flat"
+        assert_engine_holds(url, model)
+
+
+def test_push_transformers_names_in_one_bucket(engine_url: str) -> None:
+    model = trainer_model(TRAINER_SEED + 2)
+    with make_sync(engine_url, bucket_bytes=1 << 30, cfg={"naming": "hf"}) as sync:
+        stats = sync.push(model.state_dict().items(), "v3-hf")
+    assert stats.buckets == 1 and stats.tensors == len(model.state_dict())
+    assert_engine_holds(engine_url, model)
+
+
+def test_refused_bucket_fails_fast_then_reconnect_works(engine_url: str) -> None:
+    """A bucket the engine refuses (HTTP 400, nothing received) must not hang the trainer's broadcast."""
+    model = trainer_model(TRAINER_SEED + 3)
+    items = list(model.state_dict().items())
+    bad = [*items[:10], ("model.norm.weight", torch.zeros(65)), *items[10:]]
+    sync = make_sync(engine_url, bucket_bytes=8 * 1024, timeout_s=60.0)
+    try:
+        sync.connect()
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match=r"(?s)engine http://127\.0\.0\.1:\d+.*shape \[65\]"):
+            sync.push(bad, "never")
+        assert time.monotonic() - start < 15, "a refused bucket must fail long before the group timeout"
+        with pytest.raises(WeightSyncError, match="unusable"):
+            sync.push(items, "never")
+        start = time.monotonic()
+        sync.close()
+        assert time.monotonic() - start < 30
+        sync.connect()
+        sync.push(items, "v4")
+    finally:
+        sync.close()
+    assert version_of(engine_url) == "v4"
+    assert_engine_holds(engine_url, model)
+
+
+def test_configuration_errors() -> None:
+    def build(backend="gloo", **cfg):
+        return WeightSync([EngineClient("http://127.0.0.1:1")], SyncConfig(**cfg), backend, "127.0.0.1", 1)
+
+    for kwargs, message in [
+        ({"backend": "mpi"}, "choose from"),
+        ({"naming": "megatron"}, "sync.naming"),
+        ({"pause_mode": "later"}, "sync.pause_mode"),
+        ({"bucket_bytes": 0}, "bucket_bytes"),
+        ({"timeout_s": 0}, "timeout_s"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            build(**kwargs)
+    with pytest.raises(ValueError, match="load_format"):
+        WeightSync([EngineClient("http://x")], SyncConfig(), "gloo", "127.0.0.1", 1, load_format="direct")
+    with pytest.raises(ValueError, match="engine_ranks"):
+        WeightSync([EngineClient("http://x")], SyncConfig(), "gloo", "127.0.0.1", 1, engine_ranks=[0])
+    with pytest.raises(WeightSyncError, match="connect"):
+        build().push([("embed.weight", torch.zeros(1))], "v")
+    assert SyncStats(bytes=2_000_000_000, seconds=2.0).gb_per_s == 1.0
+
+
+def test_connect_failure_names_the_engine() -> None:
+    """An engine that cannot join (here: nothing listens) fails connect() at once, naming the engine."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    sync = make_sync(dead, bucket_bytes=1 << 20, timeout_s=20.0)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError, match=rf"engine {dead} could not join.*cannot connect"):
+            sync.connect()
+        assert time.monotonic() - start < 10
+        assert not sync.connected
+    finally:
+        sync.close()
