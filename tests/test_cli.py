@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-import types
+import json
 
 import pytest
 from typer.testing import CliRunner
 
+import dsv4rl.launcher.supervisor
 from dsv4rl.cli import app
 from dsv4rl.config.schema import Config
 
@@ -16,16 +16,14 @@ runner = CliRunner()
 
 @pytest.fixture
 def supervisor(monkeypatch: pytest.MonkeyPatch) -> list[Config]:
-    """A fake `dsv4rl.launcher.supervisor` that records the configs it was asked to run."""
+    """A fake `run_training` that records the configs it was asked to run."""
     calls: list[Config] = []
-    module = types.ModuleType("dsv4rl.launcher.supervisor")
 
     def run_training(cfg: Config) -> int:
         calls.append(cfg)
         return 0 if cfg.train.steps != 7 else 3
 
-    module.run_training = run_training  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "dsv4rl.launcher.supervisor", module)
+    monkeypatch.setattr(dsv4rl.launcher.supervisor, "run_training", run_training)
     return calls
 
 
@@ -90,3 +88,94 @@ def test_recipes_command_lists_recipes_and_groups() -> None:
     assert result.exit_code == 0, result.output
     for name in ("tiny_arith", "dapo_math", "parallel", "flash_4node_disagg", "rccl_mi355x", "aime24"):
         assert name in result.output
+
+
+# --- dsv4rl plan ------------------------------------------------------------------------------------
+
+DAPO_ADDRS = ["cluster.node_addrs=['gpu-a01','gpu-a02','gpu-a03','gpu-a04']", "cluster.master_addr=gpu-a01"]
+
+
+def plan_json(*args: str) -> dict:
+    result = runner.invoke(app, ["plan", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_plan_dapo_math_all_nodes(supervisor: list[Config]) -> None:
+    plan = plan_json("recipe=dapo_math", "--all-nodes", *DAPO_ADDRS)
+    assert supervisor == []  # nothing started
+    nodes = plan["nodes"]
+    assert [n["node"] for n in nodes] == [0, 1, 2, 3] and plan["nnodes"] == 4
+    for node in nodes[:2]:
+        (trainer,) = node["processes"]
+        argv = trainer["argv"]
+        assert trainer["role"] == "trainer" and argv[1:3] == ["-m", "torch.distributed.run"]
+        assert (_flag(argv, "--nnodes"), _flag(argv, "--nproc-per-node")) == ("2", "8")
+        assert _flag(argv, "--node-rank") == str(node["node"]) and _flag(argv, "--master-addr") == "gpu-a01"
+        assert trainer["env"]["DSV4RL_ENGINE_URLS"].split(",")[0] == "http://gpu-a03:30000"
+        assert len(node["waits_for"]) == 4
+    for node in nodes[2:]:
+        engines = node["processes"]
+        assert [e["role"] for e in engines] == ["engine", "engine"]
+        assert [e["gpus"] for e in engines] == ["0..3", "4..7"] and [e["port"] for e in engines] == [
+            30000,
+            30001,
+        ]
+        for e in engines:
+            assert e["argv"][1:3] == ["-m", "sglang.launch_server"]
+            assert (_flag(e["argv"], "--tp-size"), _flag(e["argv"], "--ep-size")) == ("4", "4")
+            assert _flag(e["argv"], "--host") == "0.0.0.0"
+            assert e["env"]["NCCL_MIN_NCHANNELS"] == "16" and e["env"]["SGLANG_DSV4_FP4_EXPERTS"] == "0"
+            assert "PATH" not in e["env"]  # only what the recipe and the plan set
+    assert [e["url"] for e in plan["engines"]] == [
+        "http://gpu-a03:30000",
+        "http://gpu-a03:30001",
+        "http://gpu-a04:30000",
+        "http://gpu-a04:30001",
+    ]
+    assert any("model.path" in w for w in plan["warnings"])  # no checkpoint on this machine
+
+
+def test_plan_without_node_addrs_says_what_is_unresolved() -> None:
+    plan = plan_json("recipe=dapo_math", "--node-rank", "0")
+    (node,) = plan["nodes"]
+    assert node["waits_for"] is None and "DSV4RL_ENGINE_URLS" not in node["processes"][0]["env"]
+    assert any("cluster.node_addrs is empty" in w for w in plan["warnings"])
+    result = runner.invoke(app, ["plan", "recipe=dapo_math", "--node-rank", "0"])
+    assert result.exit_code == 0, result.output
+    assert "unresolved (set cluster.node_addrs)" in result.output and "torch.distributed.run" in result.output
+
+
+def test_plan_tiny_arith_table() -> None:
+    plan = plan_json("recipe=tiny_arith")
+    (node,) = plan["nodes"]
+    assert [p["name"] for p in node["processes"]] == ["engine-0", "trainer"]
+    assert node["processes"][1]["env"]["DSV4RL_ENGINE_URLS"] == "http://127.0.0.1:30000"
+    assert plan["warnings"] == []
+    result = runner.invoke(app, ["plan", "recipe=tiny_arith", "parallel=cpu_fsdp2"])
+    assert result.exit_code == 0, result.output
+    for text in (
+        "node 0",
+        "dsv4rl.engine",
+        "--nproc-per-node 2",
+        "PYTHONUNBUFFERED=1",
+        "29600 (weight sync)",
+    ):
+        assert text in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["recipe=tiny_arith", "--node-rank", "3"], "--node-rank 3 is outside 0..0"),
+        (["recipe=dapo_math", "--node-rank", "1", "--all-nodes"], "exclude each other"),
+        (["recipe=tiny_arith", "algo.group_size=1"], "algo.group_size=1"),
+    ],
+)
+def test_plan_errors_exit_2(args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["plan", *args])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output

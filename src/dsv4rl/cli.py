@@ -6,6 +6,7 @@ Kept thin on purpose: composition and validation live in `dsv4rl.config`, proces
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 import typer
@@ -105,6 +106,54 @@ def train(
     except KeyboardInterrupt:
         code = 130
     raise typer.Exit(code=int(code))
+
+
+@app.command("plan")
+def plan_command(
+    args: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="recipe=NAME [OVERRIDES]...",
+            help="recipe=NAME then Hydra overrides, as for `dsv4rl train`.",
+            show_default=False,
+        ),
+    ] = None,
+    node_rank: Annotated[
+        int | None,
+        typer.Option("--node-rank", help="Show this node (default: cluster.node_rank of the recipe)."),
+    ] = None,
+    all_nodes: Annotated[bool, typer.Option("--all-nodes", help="Show every node of the cluster.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Show the processes each node would start (commands, env, ports, GPUs), without starting anything."""
+    try:
+        recipe, overrides = _split_recipe(list(args or []))
+        cfg = compose(recipe, overrides)
+        validate(cfg, check_paths=False)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    if all_nodes and node_rank is not None:
+        raise _fail("--node-rank and --all-nodes exclude each other: pass one")
+    nnodes = cfg.cluster.nnodes
+    nodes = list(range(nnodes)) if all_nodes else [cfg.cluster.node_rank if node_rank is None else node_rank]
+    if not all(0 <= n < nnodes for n in nodes):
+        raise _fail(f"--node-rank {nodes[0]} is outside 0..{nnodes - 1} (cluster.nnodes={nnodes})")
+    try:  # what `dsv4rl train` would refuse on this machine: shown, not fatal
+        validate(cfg, check_paths=True)
+        warnings: list[str] = []
+    except ConfigError as exc:
+        warnings = [f"`dsv4rl train` here would stop: {p}" for p in exc.problems]
+
+    from dsv4rl.launcher.plan_view import cluster_plan, render_plan
+
+    try:
+        plan = cluster_plan(cfg, nodes, warnings)
+    except ValueError as exc:  # a layout the planner cannot place (GPUs, node ranks)
+        raise _fail(str(exc)) from None
+    if as_json:
+        typer.echo(json.dumps(plan, indent=2))
+    else:
+        render_plan(plan, Console())
 
 
 @app.command("recipes")

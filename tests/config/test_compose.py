@@ -52,7 +52,7 @@ def test_tiny_arith_composes() -> None:
     assert cfg.comm.backend is CommBackend.gloo
     assert cfg.reward.grader == "arith"
     assert cfg.run.dir == "runs/tiny_arith"
-    assert (cfg.algo.prompts_per_step, cfg.algo.group_size) == (16, 8)
+    assert (cfg.algo.prompts_per_step, cfg.algo.group_size) == (32, 16)
 
 
 def test_dapo_math_composes_with_reference_run_facts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,6 +98,14 @@ def test_dapo_math_composes_with_reference_run_facts(monkeypatch: pytest.MonkeyP
     assert (cfg.eval.samples_per_problem, cfg.eval.k, cfg.eval.sampling.top_p) == (8, [1, 8], 0.7)
     assert cfg.eval.grader == "math_verify"
     assert (cfg.cluster.nnodes, cfg.cluster.gpus_per_node, cfg.cluster.node_rank) == (4, 8, 0)
+    assert cfg.cluster.node_addrs == [] and cfg.engine.host == "0.0.0.0"  # addresses come from the launcher
+
+
+def test_node_addrs_override_keeps_strings() -> None:
+    """What launch/slurm/dapo_math_4node.sbatch passes: quoted hostnames stay strings, IPs too."""
+    cfg = compose("dapo_math", ["cluster.node_addrs=['gpu-a01','10.0.0.2','1e5','007']"])
+    assert cfg.cluster.node_addrs == ["gpu-a01", "10.0.0.2", "1e5", "007"]
+    assert compose("tiny_arith").cluster.node_addrs == []
 
 
 def test_environment_fills_cluster_and_data_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -125,7 +133,7 @@ def test_overrides_values_groups_and_additions() -> None:
     assert (cfg.run.dir, cfg.resume, cfg.algo.group_size) == ("runs/demo", True, 4)
     assert cfg.parallel.train.nproc_per_node == 2
     assert cfg.algo.name == "dapo" and cfg.algo.eps_clip_high == 0.28
-    assert cfg.algo.sampling.max_new_tokens == 4  # the recipe's own values win over the group's
+    assert cfg.algo.sampling.max_new_tokens == 3  # the recipe's own values win over the group's
     assert cfg.comm.env == {"OMP_NUM_THREADS": "1"}
     assert cfg.eval.k == [1, 2]
 

@@ -75,6 +75,7 @@ def test_dapo_math_passes_once_the_machine_has_what_it_needs(dapo: Config, tmp_p
     dapo.data.path = str(tmp_path / "dapo.parquet")
     dapo.eval.dataset = str(tmp_path / "aime24.jsonl")
     dapo.cluster.master_addr = "10.0.0.1"
+    dapo.cluster.node_addrs = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]
     validate(dapo, check_paths=True)
 
 
@@ -230,8 +231,8 @@ def test_eps_ranges(tiny: Config, field: str, value: float) -> None:
 
 
 def test_batch_must_split_over_data_parallel(tiny: Config) -> None:
-    tiny.parallel.train.nproc_per_node = 3  # 16 x 8 = 128 responses over 3 ranks
-    assert_problem(tiny, "= 128 responses", "3 data-parallel ranks")
+    tiny.parallel.train.nproc_per_node = 3  # 32 x 16 = 512 responses over 3 ranks
+    assert_problem(tiny, "= 512 responses", "3 data-parallel ranks")
 
 
 def test_batch_must_split_into_minibatches(tiny: Config) -> None:
@@ -351,6 +352,31 @@ def test_data_file_needs_path(tiny: Config) -> None:
 
 def test_multinode_needs_real_master_addr(dapo: Config) -> None:
     assert_problem(dapo, "cluster.master_addr=127.0.0.1", "cluster.nnodes=4", check_paths=True)
+
+
+def test_multinode_needs_node_addrs(dapo: Config) -> None:
+    problem = assert_problem(dapo, "cluster.node_addrs is empty", "nodes 2..3", check_paths=True)
+    assert "cluster.node_addrs=[host0" in problem and "dapo_math_4node.sbatch" in problem  # the fix
+    dapo.cluster.node_addrs = ["n0", "n1", "n2", "n3"]
+    assert not any("node_addrs" in p for p in problems(dapo, check_paths=True))
+
+
+def test_node_addrs_must_list_every_node(dapo: Config) -> None:
+    dapo.cluster.node_addrs = ["n0", "n1", "n2"]
+    assert_problem(dapo, "cluster.node_addrs lists 3 address(es) but cluster.nnodes=4", "node-rank order")
+    dapo.cluster.node_addrs = ["n0", "n1", "", "n3"]
+    assert_problem(dapo, "cluster.node_addrs has an empty entry")
+
+
+def test_node_addrs_must_not_be_loopback(dapo: Config) -> None:
+    dapo.cluster.node_addrs = ["n0", "n1", "127.0.0.1", "n3"]
+    assert_problem(dapo, "loopback address(es) ['127.0.0.1']", check_paths=True)
+
+
+def test_remote_engines_must_not_bind_loopback(dapo: Config) -> None:
+    assert dapo.engine.host == "0.0.0.0"  # the recipe: engines reached from node 0
+    dapo.engine.host = "127.0.0.1"
+    assert_problem(dapo, "engine.host=127.0.0.1 binds loopback only", "set engine.host=0.0.0.0")
 
 
 # --- ports, train, sync, reward --------------------------------------------------------------------

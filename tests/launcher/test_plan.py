@@ -8,14 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config, RolloutEngineKind
 from dsv4rl.launcher.plan import (
     ENGINE_URLS_ENV,
     PortInUse,
     build_local_plan,
     check_ports,
+    engine_placement,
     engine_urls,
     port_is_free,
+    remote_engine_health,
 )
 
 RUN = Path("/runs/r1")
@@ -138,7 +141,7 @@ def test_disaggregated_nodes():
     assert [s.name for s in node3] == ["engine-2", "engine-3"]
     assert [s.argv[s.argv.index("--port") + 1] for s in node3] == ["30000", "30001"]
     assert [s.argv[s.argv.index("--base-gpu-id") + 1] for s in node3] == ["0", "4"]
-    with pytest.raises(ValueError, match="engines run on 2 nodes"):
+    with pytest.raises(ConfigError, match=r"node_addrs lists 0 address\(es\) but cluster.nnodes=4"):
         engine_urls(cfg)
     cfg.cluster.node_rank = 4
     with pytest.raises(ValueError, match="node_rank=4 is outside 0..3"):
@@ -197,3 +200,62 @@ def test_port_clash_inside_the_plan():
     cfg.cluster.master_port = cfg.engine.port + 1
     with pytest.raises(ValueError, match=r"planned twice: engine 1: engine.port \+ 1 and torchrun master"):
         check_ports(cfg)
+
+
+def _four_nodes() -> Config:
+    """The reference layout: nodes 0-1 train, nodes 2-3 run two 4-GPU engines each."""
+    cfg = Config()
+    cfg.cluster.nnodes, cfg.cluster.gpus_per_node, cfg.cluster.master_addr = 4, 8, "gpu-a01"
+    cfg.cluster.node_addrs = ["gpu-a01", "gpu-a02", "gpu-a03", "gpu-a04"]
+    cfg.engine.host, cfg.engine.port = "0.0.0.0", 31000
+    pt, ro = cfg.parallel.train, cfg.parallel.rollout
+    pt.nnodes, pt.nproc_per_node = 2, 8
+    ro.engine, ro.nnodes, ro.num_engines, ro.gpus_per_engine, ro.tensor_parallel = "sglang", 2, 4, 4, 4
+    return cfg
+
+
+def test_multi_node_engine_urls_use_node_addrs():
+    cfg = _four_nodes()
+    assert engine_placement(cfg) == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    urls = ["http://gpu-a03:31000", "http://gpu-a03:31001", "http://gpu-a04:31000", "http://gpu-a04:31001"]
+    assert engine_urls(cfg) == urls
+    for node in (0, 1):  # every trainer node gets the URLs and waits for every (remote) engine
+        cfg.cluster.node_rank = node
+        (trainer,) = build_local_plan(cfg, RUN, base_env={})
+        assert trainer.env[ENGINE_URLS_ENV] == ",".join(urls)
+        assert remote_engine_health(cfg) == [
+            (f"engine-{i}", f"{u}/health_generate") for i, u in enumerate(urls)
+        ]
+        # nodes share the run dir: per-node config and trainer log
+        assert trainer.argv[-1] == f"/runs/r1/config-node{node}.yaml"
+        assert trainer.log_path == RUN / "logs" / f"trainer-node{node}.log"
+        assert trainer.meta["gpus"] == "0..7"
+    cfg.cluster.node_rank = 2
+    assert remote_engine_health(cfg) == []  # a rollout node waits for nobody
+    engines = build_local_plan(cfg, RUN, base_env={})
+    assert [e.health_url for e in engines] == [  # its own supervisor probes its engines locally
+        "http://127.0.0.1:31000/health_generate",
+        "http://127.0.0.1:31001/health_generate",
+    ]
+
+
+def test_shared_multi_node_layout_and_ipv6():
+    cfg = Config()
+    cfg.cluster.nnodes, cfg.cluster.node_addrs = 2, ["fd00::1", "fd00::2"]
+    cfg.parallel.train.nnodes, cfg.parallel.rollout.num_engines = 2, 3
+    cfg.engine.host = "::"
+    assert engine_urls(cfg) == ["http://[fd00::1]:30000", "http://[fd00::1]:30001", "http://[fd00::2]:30000"]
+    cfg.cluster.node_rank = 1  # its own engine is local; node 0's two are remote
+    assert [n for n, _ in remote_engine_health(cfg)] == ["engine-0", "engine-1"]
+
+
+def test_single_node_urls_unchanged():
+    cfg = Config()
+    cfg.parallel.rollout.num_engines = 2
+    cfg.engine.host = "0.0.0.0"
+    assert engine_urls(cfg) == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
+    assert remote_engine_health(cfg) == []
+    cfg.engine.host = "10.1.2.3"
+    assert engine_urls(cfg)[1] == "http://10.1.2.3:30001"
+    (trainer,) = [s for s in build_local_plan(cfg, RUN, base_env={}) if s.role == "trainer"]
+    assert trainer.argv[-1] == "/runs/r1/config.yaml" and trainer.log_path.name == "trainer.log"

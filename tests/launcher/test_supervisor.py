@@ -5,6 +5,7 @@ that nothing outlives a run."""
 from __future__ import annotations
 
 import contextlib
+import http.server
 import io
 import os
 import re
@@ -21,6 +22,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from dsv4rl.config.schema import Config
+from dsv4rl.launcher.marker import DoneMarker, read_status, write_marker
 from dsv4rl.launcher.plan import PortInUse, ProcessSpec
 from dsv4rl.launcher.supervisor import Supervisor, run_training
 
@@ -352,3 +354,180 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# --- multi-node: remote engines, rollout-only nodes and the DONE marker -----------------------------
+
+
+@contextlib.contextmanager
+def remote_engine(port: int, healthy_after_s: float = 0.0):
+    """An engine 'on another node': an HTTP server in this process, healthy after a delay (inf: never)."""
+    start = time.monotonic()
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            ok = self.path == "/health_generate" and time.monotonic() - start >= healthy_after_s
+            self.send_response(200 if ok else 503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}/health_generate"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_trainer_node_waits_for_remote_engines_then_writes_done(tmp_path):
+    console, out = capture()
+    with remote_engine(free_port(), healthy_after_s=0.5) as url:
+        marker = DoneMarker(tmp_path)
+        sup = supervisor([trainer_spec(tmp_path)], tmp_path, console, remote_engines=[("engine-2", url)])
+        sup.done_marker = marker
+        assert sup.run() == 0
+    text = out.getvalue()
+    assert "waiting for 1 engine(s) (1 on other nodes)" in text
+    assert text.index("engines healthy after") < text.index("started trainer")
+    assert read_status(tmp_path / "DONE") == "finished"
+    assert_all_gone(written_pids(tmp_path))
+
+
+def test_unhealthy_remote_engine_fails_before_the_trainer_starts(tmp_path):
+    console, out = capture()
+    with remote_engine(free_port(), healthy_after_s=float("inf")) as url:
+        sup = supervisor(
+            [trainer_spec(tmp_path)],
+            tmp_path,
+            console,
+            startup_timeout_s=1.0,
+            remote_engines=[("engine-2", url)],
+            done_marker=DoneMarker(tmp_path),
+        )
+        assert sup.run() == 1
+    text = out.getvalue()
+    assert "engine-2 (on another node) is not healthy" in text and "HTTP 503" in text
+    assert str(tmp_path / "logs" / "engine-2.log") in text
+    assert not (tmp_path / "logs" / "trainer.log").exists()
+    assert read_status(tmp_path / "DONE") == "failed"  # so the rollout nodes stop too
+
+
+def test_failed_trainer_on_node_0_writes_a_failed_marker(tmp_path):
+    console, _ = capture()
+    specs = [engine_spec(tmp_path, free_port()), trainer_spec(tmp_path, steps=1, mode="fail")]
+    assert supervisor(specs, tmp_path, console, done_marker=DoneMarker(tmp_path)).run() == 3
+    assert read_status(tmp_path / "DONE") == "failed"
+
+
+def rollout_node(tmp_path: Path, console: Console) -> Supervisor:
+    """A node that only runs an engine and watches for the DONE marker."""
+    return supervisor(
+        [engine_spec(tmp_path, free_port())], tmp_path, console, done_marker=DoneMarker(tmp_path)
+    )
+
+
+def in_watch_loop(out: io.StringIO, action) -> threading.Thread:
+    """Run `action` in a thread once the rollout node's supervisor watches for the marker."""
+
+    def run():
+        deadline = time.monotonic() + 20
+        while "serving rollouts until" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        action()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_rollout_node_exits_0_when_the_trainer_finishes(tmp_path):
+    console, out = capture()
+    write_marker(tmp_path / "DONE", "failed")  # an earlier run's marker: ignored
+    sup = rollout_node(tmp_path, console)
+    stale_seen = []
+
+    def finish():
+        time.sleep(0.3)  # several polls of the watch loop with the old marker in place
+        stale_seen.append(sup.children[0].proc.poll() is None)  # still serving despite the old marker
+        write_marker(tmp_path / "DONE", "finished")
+
+    thread = in_watch_loop(out, finish)
+    assert sup.run() == 0
+    thread.join()
+    assert stale_seen == [True]
+    text = out.getvalue()
+    assert "serving rollouts until" in text and "the trainer finished" in text
+    assert sup.children[0].proc.returncode == -signal.SIGTERM  # its engine was stopped
+    assert_all_gone(written_pids(tmp_path))
+
+
+def test_rollout_node_fails_when_the_run_failed(tmp_path):
+    console, out = capture()
+    sup = rollout_node(tmp_path, console)
+    thread = in_watch_loop(out, lambda: write_marker(tmp_path / "DONE", "failed"))
+    assert sup.run() == 1
+    thread.join()
+    assert "the run ended with status 'failed'" in out.getvalue()
+    assert_all_gone(written_pids(tmp_path))
+
+
+def test_rollout_node_fails_when_its_engine_dies(tmp_path):
+    console, out = capture()
+    sup = rollout_node(tmp_path, console)
+
+    def kill_engine():
+        os.kill(int(wait_for(tmp_path / "engine-0.pids").split()[0]), signal.SIGKILL)
+
+    thread = in_watch_loop(out, kill_engine)
+    assert sup.run() == 128 + signal.SIGKILL
+    thread.join()
+    text = out.getvalue()
+    assert "engine-0 was killed by SIGKILL" in text and "this node only serves rollouts" in text
+    assert not (tmp_path / "DONE").exists()  # a rollout node never writes the marker
+    assert_all_gone(written_pids(tmp_path))
+
+
+def _two_node_cfg(run_dir: Path, node_rank: int) -> Config:
+    """Node 0 trains, node 1 serves one engine; both 'nodes' are this machine."""
+    cfg = _cfg(run_dir)
+    cfg.model.path = str(run_dir.parent / "model")  # given: nothing to materialize
+    cfg.cluster.nnodes, cfg.cluster.node_rank = 2, node_rank
+    cfg.cluster.node_addrs = ["127.0.0.1", "127.0.0.1"]
+    cfg.parallel.rollout.nnodes = 1
+    cfg.engine.host = "0.0.0.0"
+    return cfg
+
+
+def test_run_training_on_a_rollout_node_stops_at_done(tmp_path):
+    cfg = _two_node_cfg(tmp_path / "run", node_rank=1)
+    run_dir = (tmp_path / "run").resolve()
+    console, out = capture()
+    thread = in_watch_loop(out, lambda: write_marker(run_dir / "DONE", "finished"))
+    code = run_training(cfg, console=console, plan_builder=lambda c, d: [engine_spec(d, c.engine.port)])
+    thread.join()
+    assert code == 0, out.getvalue()
+    assert (run_dir / "config-node1.yaml").is_file() and not (run_dir / "config.yaml").exists()
+    assert "step " not in out.getvalue()  # only node 0 shows progress
+    assert_all_gone(written_pids(run_dir))
+
+
+def test_run_training_on_node_0_waits_for_the_rollout_node(tmp_path):
+    cfg = _two_node_cfg(tmp_path / "run", node_rank=0)
+    run_dir = (tmp_path / "run").resolve()
+    run_dir.mkdir()
+    write_marker(run_dir / "DONE", "finished")  # an earlier run's: removed before anything starts
+    console, out = capture()
+    with remote_engine(cfg.engine.port, healthy_after_s=0.3):
+        code = run_training(cfg, console=console, plan_builder=lambda c, d: [trainer_spec(d, steps=2)])
+    assert code == 0, out.getvalue()
+    text = out.getvalue()
+    assert "1 on other nodes" in text and "step 2/2" in text
+    assert read_status(run_dir / "DONE") == "finished" and "wrote" in text
+    assert (run_dir / "config-node0.yaml").is_file()
+    assert_all_gone(written_pids(run_dir))

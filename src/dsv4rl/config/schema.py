@@ -319,6 +319,9 @@ class ClusterConfig:
     node_rank: int = 0
     gpus_per_node: int = 0  # 0: CPU
     master_addr: str = "127.0.0.1"
+    # Hostname or IP of every node, by node rank (multi-node: engine URLs are built from these; the Slurm
+    # launch script passes `cluster.node_addrs=[...]` from `scontrol show hostnames`). Empty: one node.
+    node_addrs: list[str] = field(default_factory=list)
     master_port: int = 29500
     weight_sync_port: int = 29600
     partition: str | None = None

@@ -29,6 +29,11 @@ SYNC_NAMINGS = ("native", "hf")
 OPTIMIZERS = ("adam", "adamw")
 SCALE_FORMATS = ("ue8m0", "fp32")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+NODE_ADDRS_FIX = (
+    "pass cluster.node_addrs=[host0,host1,...] (every node's hostname or IP, in node-rank order; "
+    "launch/slurm/dapo_math_4node.sbatch passes it from `scontrol show hostnames`)"
+)
 # Same as dsv4rl.model.tiny.LAYER_TYPES / MLP_TYPES (not imported: that pulls in torch and transformers).
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 MLP_TYPES = ("hash_moe", "moe")
@@ -265,6 +270,32 @@ def _check_nodes_and_rollout(cfg: Config, add: Add) -> None:
         add(f"parallel.rollout.max_running_requests must be >= 1 (got {r.max_running_requests})")
     if r.watchdog_timeout_s <= 0:
         add(f"parallel.rollout.watchdog_timeout_s must be > 0 (got {r.watchdog_timeout_s})")
+
+
+def _engine_nodes_text(cfg: Config) -> str:
+    r, t, c = cfg.parallel.rollout, cfg.parallel.train, cfg.cluster
+    if r.nnodes > 0 and not cfg.parallel.colocate:
+        return f"nodes {t.nnodes}..{t.nnodes + r.nnodes - 1}"
+    return f"nodes 0..{c.nnodes - 1}"
+
+
+def _check_cluster_addresses(cfg: Config, add: Add) -> None:
+    """Multi-node: engine URLs are `http://<cluster.node_addrs[node]>:<port>`, so engines must bind a
+    non-loopback address and node_addrs (when given; required by the path checks) must name every node."""
+    c = cfg.cluster
+    if c.node_addrs and len(c.node_addrs) != c.nnodes:
+        add(
+            f"cluster.node_addrs lists {len(c.node_addrs)} address(es) but cluster.nnodes={c.nnodes}: "
+            f"{NODE_ADDRS_FIX}"
+        )
+    if any(not a.strip() for a in c.node_addrs):
+        add(f"cluster.node_addrs has an empty entry ({list(c.node_addrs)}); {NODE_ADDRS_FIX}")
+    if c.nnodes > 1 and cfg.engine.host in LOOPBACK:
+        add(
+            f"engine.host={cfg.engine.host} binds loopback only, but with cluster.nnodes={c.nnodes} trainer "
+            f"rank 0 on node 0 reaches the engines on {_engine_nodes_text(cfg)} through "
+            "cluster.node_addrs: set engine.host=0.0.0.0"
+        )
 
 
 def _check_comm(cfg: Config, add: Add) -> None:
@@ -537,16 +568,28 @@ def _check_paths(cfg: Config, add: Add) -> None:
             "eval.dataset=<jsonl file>, set DSV4RL_DATA_DIR, or use eval=none"
         )
     c = cfg.cluster
-    if c.nnodes > 1 and c.master_addr in ("127.0.0.1", "localhost", "::1"):
+    if c.nnodes > 1 and c.master_addr in LOOPBACK:
         add(
             f"cluster.master_addr={c.master_addr} is a loopback address but cluster.nnodes={c.nnodes}: "
             "set cluster.master_addr=<node 0 host> (or export MASTER_ADDR)"
+        )
+    if c.nnodes > 1 and not c.node_addrs:
+        add(
+            f"cluster.node_addrs is empty but cluster.nnodes={c.nnodes}: trainer rank 0 on node 0 reaches "
+            f"the engines on {_engine_nodes_text(cfg)} at their node's address; {NODE_ADDRS_FIX}"
+        )
+    loopback = [a for a in c.node_addrs if a in LOOPBACK]
+    if c.nnodes > 1 and loopback:
+        add(
+            f"cluster.node_addrs has loopback address(es) {loopback} but cluster.nnodes={c.nnodes}: other "
+            "nodes cannot reach them; give each node's hostname or IP"
         )
 
 
 _CHECKS: list[Callable[[Config, Add], None]] = [
     _check_train_layout,
     _check_nodes_and_rollout,
+    _check_cluster_addresses,
     _check_comm,
     _check_algo,
     _check_optim,

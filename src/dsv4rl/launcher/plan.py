@@ -4,10 +4,15 @@ A plan is data (`ProcessSpec`s), built and checked before anything starts, so `d
 and tests can check the exact commands. Node layout: with `parallel.rollout.nnodes == 0` (or colocated),
 every node runs trainer ranks and an even share of the engines; otherwise (disaggregated) nodes
 `0 .. train.nnodes-1` train and the next `rollout.nnodes` nodes serve rollouts.
+
+Multi-node runs share `run.dir` (a filesystem every node mounts): each node writes its own config
+(`config-node<r>.yaml`) and trainer log (`logs/trainer-node<r>.log`); engine logs are named by the
+engine's global index. Engines are found at `http://<cluster.node_addrs[node]>:<engine.port + local>`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -17,10 +22,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config
 
 METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "config.yaml"
+CONFIG_FILE = "config.yaml"  # one node; several: config-node<r>.yaml (see config_path)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WILDCARD = ("0.0.0.0", "::")
 ENGINE_URLS_ENV = "DSV4RL_ENGINE_URLS"  # comma-separated engine base URLs, given to the trainer
 
 
@@ -92,16 +100,65 @@ def engines_on_node(cfg: Config, node_rank: int) -> list[int]:
     return list(range(first, min(first + per_node, cfg.parallel.rollout.num_engines)))
 
 
+def engine_placement(cfg: Config) -> list[tuple[int, int]]:
+    """(node rank, local index) of every engine, by global index: the assignment `engines_on_node` makes."""
+    placement: list[tuple[int, int]] = []
+    for node in engine_nodes(cfg):
+        placement += [(node, local) for local, _ in enumerate(engines_on_node(cfg, node))]
+    return placement
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def engine_urls(cfg: Config) -> list[str]:
-    """Base URLs of every engine, when they all run on one node (engine i listens on engine.port + i)."""
-    nodes = engine_nodes(cfg)
-    if len(nodes) != 1:
-        raise ValueError(
-            f"engines run on {len(nodes)} nodes: their URLs need each node's address "
-            "(multi-node engine discovery is not planned yet)"
+    """Base URLs of every engine, by global index (what trainer rank 0 talks to).
+
+    One node: engine i listens on engine.port + i at 127.0.0.1 (or engine.host when it names an address).
+    Several nodes: engine i on node n at `http://<cluster.node_addrs[n]>:<engine.port + local index>`;
+    raises ConfigError when node_addrs does not give every node's address.
+    """
+    if cfg.cluster.nnodes <= 1:
+        host = "127.0.0.1" if cfg.engine.host in WILDCARD else cfg.engine.host
+        return [
+            f"http://{_url_host(host)}:{cfg.engine.port + i}" for i in range(cfg.parallel.rollout.num_engines)
+        ]
+    addrs = cfg.cluster.node_addrs
+    if len(addrs) != cfg.cluster.nnodes:
+        raise ConfigError(
+            f"cluster.node_addrs lists {len(addrs)} address(es) but cluster.nnodes={cfg.cluster.nnodes}: the "
+            "engines' URLs need every node's hostname or IP, in node-rank order; pass "
+            "cluster.node_addrs=[host0,host1,...] (launch/slurm/dapo_math_4node.sbatch builds it from "
+            "`scontrol show hostnames`)"
         )
-    host = "127.0.0.1" if cfg.engine.host in ("0.0.0.0", "::") else cfg.engine.host
-    return [f"http://{host}:{cfg.engine.port + local}" for local in range(cfg.parallel.rollout.num_engines)]
+    return [
+        f"http://{_url_host(addrs[node])}:{cfg.engine.port + local}" for node, local in engine_placement(cfg)
+    ]
+
+
+def remote_engine_health(cfg: Config) -> list[tuple[str, str]]:
+    """(name, /health_generate URL) of the engines a trainer node waits for that run on other nodes."""
+    node = cfg.cluster.node_rank
+    if node not in trainer_nodes(cfg):
+        return []
+    urls = engine_urls(cfg)
+    return [
+        (f"engine-{i}", f"{urls[i]}/health_generate")
+        for i, (engine_node, _) in enumerate(engine_placement(cfg))
+        if engine_node != node
+    ]
+
+
+def config_path(cfg: Config, run_dir: Path) -> Path:
+    """The resolved config this node's trainer reads; per node when nodes share the run dir."""
+    if cfg.cluster.nnodes <= 1:
+        return Path(run_dir) / CONFIG_FILE
+    return Path(run_dir) / f"config-node{cfg.cluster.node_rank}.yaml"
+
+
+def trainer_log_name(cfg: Config) -> str:
+    return "trainer.log" if cfg.cluster.nnodes <= 1 else f"trainer-node{cfg.cluster.node_rank}.log"
 
 
 # ------------------------------------------------------------------------------------------- env
@@ -173,7 +230,7 @@ def trainer_argv(cfg: Config, run_dir: Path) -> list[str]:
         "--master-addr", cfg.cluster.master_addr,
         "--master-port", str(cfg.cluster.master_port),
         "-m", "dsv4rl.train.worker",
-        "--config", str(run_dir / CONFIG_FILE),
+        "--config", str(config_path(cfg, run_dir)),
     ]  # fmt: skip
 
 
@@ -204,7 +261,7 @@ def build_local_plan(
             argv = reference_engine_argv(cfg, model, port, seed)
         else:
             raise ValueError(f"parallel.rollout.engine={kind!r}: choose reference or sglang")
-        host = "127.0.0.1" if cfg.engine.host in ("0.0.0.0", "::") else cfg.engine.host
+        host = "127.0.0.1" if cfg.engine.host in WILDCARD else cfg.engine.host
         name = f"engine-{global_index}"
         meta = {"port": str(port), "kind": kind}
         if cfg.cluster.gpus_per_node:
@@ -216,13 +273,13 @@ def build_local_plan(
                 env=dict(env),
                 log_path=logs / f"{name}.log",
                 role="engine",
-                health_url=f"http://{host}:{port}/health_generate",
+                health_url=f"http://{_url_host(host)}:{port}/health_generate",
                 meta=meta,
             )
         )
     if runs_trainer:
         trainer_env = dict(env)
-        if list(engine_nodes(cfg)) == [node]:  # every engine is local: the trainer can reach them
+        with contextlib.suppress(ConfigError):  # unresolved without node_addrs; validation names the fix
             trainer_env[ENGINE_URLS_ENV] = ",".join(engine_urls(cfg))
         meta = {"nproc": str(nproc)}
         gpus = cfg.cluster.gpus_per_node
@@ -235,12 +292,14 @@ def build_local_plan(
                 )
             trainer_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, free[:nproc]))
             meta["gpus"] = trainer_env["CUDA_VISIBLE_DEVICES"]
+        elif gpus:
+            meta["gpus"] = f"0..{nproc - 1}"  # torchrun's local ranks, on the node's first GPUs
         specs.append(
             ProcessSpec(
                 name="trainer",
                 argv=trainer_argv(cfg, run_dir),
                 env=trainer_env,
-                log_path=logs / "trainer.log",
+                log_path=logs / trainer_log_name(cfg),
                 role="trainer",
                 meta=meta,
             )

@@ -1,9 +1,14 @@
 """The node supervisor: start the plan's processes, wait for the engines, watch, and tear everything down.
 
-Rules: engines must answer /health_generate before the trainer starts; the run succeeds when every
-trainer exits 0; any other exit (a crash, a kill, an engine quitting early) stops every child and shows
-the failing child's log tail; Ctrl-C or SIGTERM stops every child and returns 130. Children run in their
-own sessions with logs in `<run_dir>/logs/<name>.log`; descendants are tracked so none outlives the run.
+Rules: engines - this node's and, on a trainer node, those on other nodes - must answer /health_generate
+before the trainer starts; the run succeeds when every trainer exits 0; any other exit (a crash, a kill,
+an engine quitting early) stops every child and shows the failing child's log tail; Ctrl-C or SIGTERM
+stops every child and returns 130. Children run in their own sessions with logs in
+`<run_dir>/logs/<name>.log`; descendants are tracked so none outlives the run.
+
+Multi-node: node 0 writes `<run_dir>/DONE` when its trainer exits (`dsv4rl.launcher.marker`); a node that
+only runs engines serves until that marker appears, then stops its engines and exits 0 (1 if the marker
+says the run failed, or if one of its engines dies first).
 """
 
 from __future__ import annotations
@@ -29,7 +34,15 @@ from rich.panel import Panel
 from rich.text import Text
 
 from dsv4rl.config.schema import Config
-from dsv4rl.launcher.plan import CONFIG_FILE, METRICS_FILE, ProcessSpec, build_local_plan, check_ports
+from dsv4rl.launcher.marker import FINISHED, DoneMarker
+from dsv4rl.launcher.plan import (
+    METRICS_FILE,
+    ProcessSpec,
+    build_local_plan,
+    check_ports,
+    config_path,
+    remote_engine_health,
+)
 from dsv4rl.launcher.procs import Tracker, become_subreaper, child_preexec
 from dsv4rl.launcher.progress import MetricsTail, RunProgress
 from dsv4rl.rollout.client import EngineClient
@@ -46,6 +59,15 @@ class Child:
     @property
     def name(self) -> str:
         return self.spec.name
+
+
+@dataclass
+class HealthTarget:
+    """An engine to wait for: one of ours (`child`), or one on another node (`child` None)."""
+
+    name: str
+    url: str  # .../health_generate
+    child: Child | None = None
 
 
 def describe_exit(code: int) -> str:
@@ -72,6 +94,10 @@ def log_tail(path: Path, lines: int = 20, start: int = 0) -> list[str]:
 class Supervisor:
     """Runs `specs` (engines, then trainers) to completion; `run()` returns the exit code.
 
+    `remote_engines`: (name, health URL) of engines on other nodes, waited for before the trainer starts.
+    `done_marker`: with trainers in `specs` (node 0 only), written when the run ends; without trainers
+    (a rollout-only node), the run ends when it appears. `show_progress`: tail the metrics (one node).
+
     `run()` makes this process a child subreaper and treats every process reparented to it during the
     run as part of the run: nothing else in this process should start child processes meanwhile.
     """
@@ -88,6 +114,9 @@ class Supervisor:
         grace_s: float = 10.0,
         poll_s: float = 0.25,
         tail_lines: int = 20,
+        remote_engines: Sequence[tuple[str, str]] = (),
+        done_marker: DoneMarker | None = None,
+        show_progress: bool = True,
     ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -100,6 +129,9 @@ class Supervisor:
         self.grace_s = grace_s
         self.poll_s = poll_s
         self.tail_lines = tail_lines
+        self.remote_engines = list(remote_engines)
+        self.done_marker = done_marker
+        self.show_progress = show_progress
         self.children: list[Child] = []
         self.tracker = Tracker()
         self.progress = RunProgress(total_steps)
@@ -119,6 +151,8 @@ class Supervisor:
         self._print(Panel(body, title=title, border_style="red", expand=False))
 
     def _poll_metrics(self) -> None:
+        if not self.show_progress:
+            return
         records = self._metrics.read_new()
         if self._metrics.rewritten:  # resumed: the trainer cut the file back to its checkpoint
             self.progress = RunProgress(self.progress.total_steps)
@@ -153,23 +187,24 @@ class Supervisor:
         self._print(Text(f"started {spec.name} (pid {proc.pid}), log {spec.log_path}", style="dim"))
         return child
 
-    def _wait_healthy(self, engines: list[Child]) -> tuple[Child, str] | None:
+    def _wait_healthy(self, engines: list[HealthTarget]) -> tuple[HealthTarget, str] | None:
         """None when all are healthy; else (engine, reason)."""
 
-        def should_abort(child: Child) -> bool:
+        def should_abort(target: HealthTarget) -> bool:
             self.tracker.refresh()  # remember what the engines spawn while they load
-            return child.proc.poll() is not None or bool(self._signals)
+            exited = target.child is not None and target.child.proc.poll() is not None
+            return exited or bool(self._signals)
 
-        async def one(child: Child) -> None:
-            parts = urlsplit(child.spec.health_url or "")
+        async def one(target: HealthTarget) -> None:
+            parts = urlsplit(target.url)
             client = EngineClient(f"{parts.scheme}://{parts.netloc}", retries=0)
             try:
-                await client.wait_healthy(self.startup_timeout_s, lambda: should_abort(child))
+                await client.wait_healthy(self.startup_timeout_s, lambda: should_abort(target))
             finally:
                 await client.aclose()
 
-        async def all_of() -> tuple[Child, str] | None:
-            tasks = {asyncio.create_task(one(c)): c for c in engines}
+        async def all_of() -> tuple[HealthTarget, str] | None:
+            tasks = {asyncio.create_task(one(t)): t for t in engines}
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in pending:
                 task.cancel()
@@ -180,7 +215,11 @@ class Supervisor:
 
         if not engines:
             return None
-        self._print(Text(f"waiting for {len(engines)} engine(s) to answer /health_generate ...", style="dim"))
+        remote = sum(t.child is None for t in engines)
+        where = f" ({remote} on other nodes)" if remote else ""
+        self._print(
+            Text(f"waiting for {len(engines)} engine(s){where} to answer /health_generate ...", style="dim")
+        )
         start = time.monotonic()
         failure = asyncio.run(all_of())
         if failure is None:
@@ -239,10 +278,17 @@ class Supervisor:
             atexit.unregister(self._atexit)
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+            if self.done_marker is not None and self._trainer_specs():
+                with contextlib.suppress(OSError):
+                    self.done_marker.write(status)
+                    self._print(Text(f"wrote {self.done_marker.path} ({status})", style="dim"))
             self._poll_metrics()
             style = {"finished": "bold green", "interrupted": "bold yellow"}.get(status, "bold red")
-            summary = self.progress.summary(self.run_dir, status)
-            self.console.print(Panel(summary, border_style=style, expand=False))
+            if self.show_progress:
+                summary = self.progress.summary(self.run_dir, status)
+                self.console.print(Panel(summary, border_style=style, expand=False))
+            else:
+                self.console.print(Text(f"{status} (run dir {self.run_dir})", style=style))
 
     def _interrupted(self) -> bool:
         if self._signals:
@@ -251,21 +297,37 @@ class Supervisor:
             return True
         return False
 
+    def _trainer_specs(self) -> list[ProcessSpec]:
+        return [s for s in self.specs if s.role == "trainer"]
+
     def _run(self) -> int:
         engines = [self._start(s) for s in self.specs if s.role == "engine"]
-        failure = self._wait_healthy([c for c in engines if c.spec.health_url])
+        targets = [HealthTarget(c.name, c.spec.health_url, c) for c in engines if c.spec.health_url]
+        if self._trainer_specs():  # only a trainer needs the other nodes' engines
+            targets += [HealthTarget(name, url) for name, url in self.remote_engines]
+        failure = self._wait_healthy(targets)
         if self._interrupted():
             return INTERRUPTED
         if failure is not None:
-            child, message = failure
-            code = child.proc.poll()
+            target, message = failure
+            if target.child is None:
+                failure_text = f"✗ {target.name} (on another node) is not healthy: {message}"
+                self._print(Text(failure_text, style="bold red"), soft_wrap=True)
+                log = self.run_dir / "logs" / f"{target.name}.log"
+                hint = f"its log is {log} (shared run dir); that node's supervisor output says why"
+                self._print(Text(hint, style="red"), soft_wrap=True)
+                return 1
+            code = target.child.proc.poll()
             reason = describe_exit(code) if code is not None else f"is not healthy: {message}"
-            self._report_failure(child, reason)
+            self._report_failure(target.child, reason)
             return self._exit_code(code)
         for spec in self.specs:
             if spec.role != "engine":
                 self._start(spec)
         trainers = [c for c in self.children if c.spec.role == "trainer"]
+        watch = self.done_marker if not trainers else None
+        if watch is not None:
+            self._print(Text(f"serving rollouts until {watch.path} appears", style="dim"))
         if self.live:
             self._display = Live(self.progress.renderable(), console=self.console, auto_refresh=False)
             self._display.start()
@@ -282,10 +344,38 @@ class Supervisor:
             if failed:
                 for child, code in failed:
                     self._report_failure(child, describe_exit(code) + (" unexpectedly" if code == 0 else ""))
+                if watch is not None:
+                    self._print(
+                        Text(
+                            f"this node only serves rollouts: its engines must run until {watch.path} "
+                            "appears, so the run cannot go on",
+                            style="red",
+                        ),
+                        soft_wrap=True,
+                    )
                 return self._exit_code(failed[0][1])
             if trainers and all(c.proc.returncode == 0 for c in trainers):
                 return 0
+            if watch is not None and watch.appeared():
+                return self._on_done(watch)
             time.sleep(self.poll_s)
+
+    def _on_done(self, marker: DoneMarker) -> int:
+        status = marker.status()
+        if status == FINISHED:
+            self._print(
+                Text(f"the trainer finished ({marker.path}): stopping this node's engines", style="green")
+            )
+            return 0
+        self._print(
+            Text(
+                f"the run ended with status {status!r} ({marker.path}): see the trainer's log on node 0 "
+                f"({self.run_dir / 'logs'})",
+                style="bold red",
+            ),
+            soft_wrap=True,
+        )
+        return 1
 
     @staticmethod
     def _exit_code(code: int | None) -> int:
@@ -303,8 +393,10 @@ def write_config(cfg: Config, run_dir: Path) -> Path:
     """The resolved recipe the trainer reads (`--config`), with `run.dir` made absolute."""
     tree = OmegaConf.structured(cfg)
     tree.run.dir = str(run_dir)
-    path = run_dir / CONFIG_FILE
-    path.write_text(OmegaConf.to_yaml(tree, resolve=True))
+    path = config_path(cfg, run_dir)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(OmegaConf.to_yaml(tree, resolve=True))
+    tmp.replace(path)
     return path
 
 
@@ -331,6 +423,7 @@ def run_training(cfg: Config, *, console: Console | None = None, plan_builder=bu
     console = console or Console()
     run_dir = Path(cfg.run.dir).resolve()
     check_ports(cfg)  # before anything is written or started
+    remote_engines = remote_engine_health(cfg)  # ConfigError without cluster.node_addrs
     check_run_dir(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
@@ -341,12 +434,22 @@ def run_training(cfg: Config, *, console: Console | None = None, plan_builder=bu
         with console.status("building the tiny model from its seed ..."):
             materialize_model(cfg.model, str(run_dir / "model"))
     specs = plan_builder(cfg, run_dir)
+    node, multi_node = cfg.cluster.node_rank, cfg.cluster.nnodes > 1
+    marker = None
+    if multi_node and node == 0:
+        marker = DoneMarker(run_dir)
+        marker.clear()  # an earlier run's; rollout-only nodes ignore it anyway
+    elif multi_node and not any(s.role == "trainer" for s in specs):
+        marker = DoneMarker(run_dir)
     supervisor = Supervisor(
         specs,
         run_dir,
         total_steps=cfg.train.steps,
         console=console,
-        live=cfg.run.progress and sys.stdout.isatty(),
+        live=cfg.run.progress and sys.stdout.isatty() and node == 0,
         startup_timeout_s=cfg.engine.startup_timeout_s,
+        remote_engines=remote_engines,
+        done_marker=marker,
+        show_progress=node == 0,  # nodes share one log under srun: one progress display
     )
     return supervisor.run()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedTokenizerFast
+from transformers.utils import logging as transformers_logging
 
 from dsv4rl.config.schema import ModelConfig, TinyModelConfig
 from dsv4rl.model.tokenizer import build_char_tokenizer
@@ -122,6 +123,7 @@ def materialize_model(model_config: ModelConfig, directory: str) -> str:
     tokenizer = load_tokenizer(model_config)
     model = load_model(model_config, vocab_size=len(tokenizer))
     partial = target.with_name(target.name + ".partial")
+    transformers_logging.disable_progress_bar()  # the supervisor's own display is on screen
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.rename(target)

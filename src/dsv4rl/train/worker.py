@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if driver is not None:
             driver.sync.close()
+            close_grader = getattr(driver.grader, "close", None)  # math-verify keeps a process pool
+            if close_grader is not None:
+                close_grader()
             for client in driver.clients:
                 event_loop.run_until_complete(client.aclose())
         event_loop.close()

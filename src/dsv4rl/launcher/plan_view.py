@@ -1,0 +1,138 @@
+"""`dsv4rl plan`: the per-node process plan as data (JSON-able) and as rich tables; nothing is started.
+
+For each node: the processes its supervisor would start (the exact argv, the environment the recipe and
+the plan set - not the caller's own environment -, ports, GPUs), the engines on other nodes it would wait
+for, and the ports it would listen on.
+"""
+
+from __future__ import annotations
+
+import copy
+import shlex
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from dsv4rl.config.compose import ConfigError
+from dsv4rl.config.schema import Config
+from dsv4rl.launcher.plan import (
+    build_local_plan,
+    engine_placement,
+    engine_urls,
+    engines_on_node,
+    planned_ports,
+    remote_engine_health,
+    trainer_nodes,
+)
+
+
+def _node_cfg(cfg: Config, node: int) -> Config:
+    c = copy.deepcopy(cfg)
+    c.cluster.node_rank = node
+    return c
+
+
+def node_plan(cfg: Config, run_dir: Path, node: int) -> dict[str, Any]:
+    """What node `node`'s supervisor would start and wait for."""
+    c = _node_cfg(cfg, node)
+    specs = build_local_plan(c, run_dir, base_env={})
+    try:
+        waits: list[dict[str, str]] | None = [
+            {"name": name, "health_url": url} for name, url in remote_engine_health(c)
+        ]
+    except ConfigError:
+        waits = None  # unresolved: cluster.node_addrs missing
+    roles = []
+    if node in trainer_nodes(c):
+        nproc = c.parallel.train.nproc_per_node
+        first, last = node * nproc, (node + 1) * nproc - 1
+        roles.append(f"trainer (rank {first})" if first == last else f"trainer (ranks {first}..{last})")
+    if engines_on_node(c, node):
+        roles.append("rollout")
+    addrs = c.cluster.node_addrs
+    return {
+        "node": node,
+        "address": addrs[node] if node < len(addrs) else None,
+        "roles": roles,
+        "processes": [
+            {
+                "name": s.name,
+                "role": s.role,
+                "argv": list(s.argv),
+                "env": dict(sorted(s.env.items())),
+                "port": int(s.meta["port"]) if "port" in s.meta else None,
+                "gpus": s.meta.get("gpus"),
+                "health_url": s.health_url,
+                "log": str(s.log_path),
+            }
+            for s in specs
+        ],
+        "waits_for": waits,
+        "listens": [{"port": p.port, "host": p.host, "what": p.what} for p in planned_ports(c)],
+    }
+
+
+def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None = None) -> dict[str, Any]:
+    """The plan of `nodes` plus run-wide facts: where each engine lives and its URL (None: unresolved)."""
+    run_dir = Path(cfg.run.dir).resolve()
+    try:
+        urls: list[str | None] = list(engine_urls(cfg))
+    except ConfigError:
+        urls = [None] * cfg.parallel.rollout.num_engines
+    engines = [
+        {"index": i, "node": node, "port": cfg.engine.port + local, "url": urls[i]}
+        for i, (node, local) in enumerate(engine_placement(cfg))
+    ]
+    return {
+        "recipe": cfg.recipe,
+        "run_dir": str(run_dir),
+        "nnodes": cfg.cluster.nnodes,
+        "engines": engines,
+        "nodes": [node_plan(cfg, run_dir, n) for n in nodes],
+        "warnings": list(warnings or []),
+    }
+
+
+def _env_text(env: dict[str, str]) -> str:
+    return "\n".join(f"{k}={v}" for k, v in env.items()) or "-"
+
+
+def render_plan(plan: dict[str, Any], console: Console) -> None:
+    """One panel per node: a process table and the environment each process gets."""
+    console.print(
+        Text(f"recipe {plan['recipe']}: {plan['nnodes']} node(s), run dir {plan['run_dir']}", style="bold")
+    )
+    for node in plan["nodes"]:
+        table = Table(show_lines=True, expand=False)
+        for column in ("process", "role", "gpus", "port", "command"):
+            table.add_column(column, overflow="fold")
+        for p in node["processes"]:
+            port = "-" if p["port"] is None else str(p["port"])
+            table.add_row(p["name"], p["role"], p["gpus"] or "-", port, shlex.join(p["argv"]))
+        procs = node["processes"]
+        common = {k: v for k, v in procs[0]["env"].items() if all(q["env"].get(k) == v for q in procs)}
+        env = Table.grid(padding=(0, 2))
+        env.add_column(style="cyan")
+        env.add_column(overflow="fold")
+        env.add_row("env (all)", _env_text(common))
+        for p in procs:
+            extra = {k: v for k, v in p["env"].items() if k not in common}
+            if extra:
+                env.add_row(f"env ({p['name']})", _env_text(extra))
+        if node["waits_for"] is None:
+            env.add_row(
+                "waits for", Text("engines on other nodes: unresolved (set cluster.node_addrs)", "yellow")
+            )
+        elif node["waits_for"]:
+            env.add_row("waits for", "\n".join(f"{w['name']} {w['health_url']}" for w in node["waits_for"]))
+        env.add_row("listens", ", ".join(f"{p['port']} ({p['what']})" for p in node["listens"]) or "-")
+        address = f" ({node['address']})" if node["address"] else ""
+        title = f"node {node['node']}{address}: {', '.join(node['roles'])}"
+        console.print(Panel(Group(table, env), title=title, title_align="left", expand=False))
+    for warning in plan["warnings"]:
+        console.print(Text(f"warning: {warning}", style="yellow"), soft_wrap=True)
