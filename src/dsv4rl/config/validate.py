@@ -53,6 +53,7 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
         check(cfg, problems.append)
     if check_paths:
         _check_paths(cfg, problems.append)
+        _check_built(cfg, problems.append)
     if len(problems) == 1:
         raise ConfigError(f"recipe {cfg.recipe!r}: {problems[0]}", problems)
     if problems:
@@ -536,6 +537,20 @@ def _check_ports(cfg: Config, add: Add) -> None:
                 f"{key}={named[key]} collides with the engine ports {eng.port}..{eng.port + engines - 1} "
                 "(engine i listens on engine.port + i)"
             )
+
+
+def _check_built(cfg: Config, add: Add) -> None:
+    """Settings the schema plans for but this version cannot run yet: refuse them before anything starts."""
+    if cfg.parallel.train.backend.value == "megatron":
+        add(
+            "parallel.train.backend=megatron: the Megatron-core train engine is not built yet; only fsdp "
+            "trains (`dsv4rl plan` and `--cfg` still show the Megatron layout)"
+        )
+    if cfg.quant.rollout_weights.value == "fp8" or cfg.quant.expert_weights.value in ("fp8", "fp4"):
+        add(
+            "quant: FP8/FP4 weights on the wire are not built yet (the sync sends the trainer's dtype); "
+            "use quant=none"
+        )
 
 
 def _check_paths(cfg: Config, add: Add) -> None:
