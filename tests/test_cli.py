@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-import dsv4rl.launcher.supervisor
+import dsv4rl.launcher.run
 from dsv4rl.cli import app
 from dsv4rl.config.schema import Config
 
@@ -23,7 +23,7 @@ def supervisor(monkeypatch: pytest.MonkeyPatch) -> list[Config]:
         calls.append(cfg)
         return 0 if cfg.train.steps != 7 else 3
 
-    monkeypatch.setattr(dsv4rl.launcher.supervisor, "run_training", run_training)
+    monkeypatch.setattr(dsv4rl.launcher.run, "run_training", run_training)
     return calls
 
 

@@ -97,7 +97,7 @@ def train(
         raise _fail(str(exc)) from None
 
     from dsv4rl.launcher.plan import PortInUse  # heavy imports only when a run starts
-    from dsv4rl.launcher.supervisor import RunDirInUse, run_training
+    from dsv4rl.launcher.run import RunDirInUse, run_training
 
     try:
         code = run_training(cfg)

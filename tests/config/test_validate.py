@@ -65,7 +65,9 @@ def test_dapo_math_with_path_checks_names_model_path(dapo: Config) -> None:
     assert "model.path=" in problem  # says how to fix it
 
 
-def test_dapo_math_lacks_only_unbuilt_features_once_the_machine_has_what_it_needs(dapo: Config, tmp_path: Path) -> None:
+def test_dapo_math_lacks_only_unbuilt_features_once_the_machine_has_what_it_needs(
+    dapo: Config, tmp_path: Path
+) -> None:
     model = tmp_path / "DeepSeek-V4-Flash"
     model.mkdir()
     (model / "config.json").write_text("{}")

@@ -24,7 +24,8 @@ from rich.console import Console
 from dsv4rl.config.schema import Config
 from dsv4rl.launcher.marker import DoneMarker, read_status, write_marker
 from dsv4rl.launcher.plan import PortInUse, ProcessSpec
-from dsv4rl.launcher.supervisor import Supervisor, run_training
+from dsv4rl.launcher.run import run_training
+from dsv4rl.launcher.supervisor import Supervisor
 
 PIDS = r"""
 import os, subprocess, sys

@@ -19,7 +19,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -27,22 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from omegaconf import OmegaConf
 from rich.console import Console
 from rich.live import Live
 from rich.panel import Panel
 from rich.text import Text
 
-from dsv4rl.config.schema import Config
 from dsv4rl.launcher.marker import FINISHED, DoneMarker
-from dsv4rl.launcher.plan import (
-    METRICS_FILE,
-    ProcessSpec,
-    build_local_plan,
-    check_ports,
-    config_path,
-    remote_engine_health,
-)
+from dsv4rl.launcher.plan import METRICS_FILE, ProcessSpec
 from dsv4rl.launcher.procs import Tracker, become_subreaper, child_preexec
 from dsv4rl.launcher.progress import MetricsTail, RunProgress
 from dsv4rl.rollout.client import EngineClient
@@ -387,69 +377,3 @@ class Supervisor:
         """Last resort (an exception escaped, the interpreter is exiting): kill everything now."""
         with contextlib.suppress(Exception):
             self.tracker.kill_all()
-
-
-def write_config(cfg: Config, run_dir: Path) -> Path:
-    """The resolved recipe the trainer reads (`--config`), with `run.dir` made absolute."""
-    tree = OmegaConf.structured(cfg)
-    tree.run.dir = str(run_dir)
-    path = config_path(cfg, run_dir)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(OmegaConf.to_yaml(tree, resolve=True))
-    tmp.replace(path)
-    return path
-
-
-class RunDirInUse(ValueError):
-    """The run dir belongs to an earlier run and resume was not asked for."""
-
-
-def check_run_dir(cfg: Config, run_dir: Path) -> None:
-    """A fresh run must not mix its checkpoints and metrics with an earlier run's."""
-    from dsv4rl.train.checkpoint import latest_checkpoint
-
-    if cfg.resume:
-        return
-    previous = latest_checkpoint(run_dir / "checkpoints")
-    if previous is not None:
-        raise RunDirInUse(
-            f"{run_dir} already holds a run (checkpoint {previous.name}): pass resume=true to continue it, "
-            "or choose a new run.dir"
-        )
-
-
-def run_training(cfg: Config, *, console: Console | None = None, plan_builder=build_local_plan) -> int:
-    """`dsv4rl train`: check ports, prepare the run dir and model, run the node's processes to the end."""
-    console = console or Console()
-    run_dir = Path(cfg.run.dir).resolve()
-    check_ports(cfg)  # before anything is written or started
-    remote_engines = remote_engine_health(cfg)  # ConfigError without cluster.node_addrs
-    check_run_dir(cfg, run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    write_config(cfg, run_dir)
-    if cfg.model.path is None:
-        from dsv4rl.model.tiny import materialize_model
-
-        with console.status("building the tiny model from its seed ..."):
-            materialize_model(cfg.model, str(run_dir / "model"))
-    specs = plan_builder(cfg, run_dir)
-    node, multi_node = cfg.cluster.node_rank, cfg.cluster.nnodes > 1
-    marker = None
-    if multi_node and node == 0:
-        marker = DoneMarker(run_dir)
-        marker.clear()  # an earlier run's; rollout-only nodes ignore it anyway
-    elif multi_node and not any(s.role == "trainer" for s in specs):
-        marker = DoneMarker(run_dir)
-    supervisor = Supervisor(
-        specs,
-        run_dir,
-        total_steps=cfg.train.steps,
-        console=console,
-        live=cfg.run.progress and sys.stdout.isatty() and node == 0,
-        startup_timeout_s=cfg.engine.startup_timeout_s,
-        remote_engines=remote_engines,
-        done_marker=marker,
-        show_progress=node == 0,  # nodes share one log under srun: one progress display
-    )
-    return supervisor.run()

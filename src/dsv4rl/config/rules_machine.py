@@ -1,0 +1,106 @@
+"""Rules about this machine and network: paths that must exist, reachable addresses, what is built.
+
+`check_paths` and `check_built` read the filesystem or refuse unbuilt features, so `validate` runs them
+only with `check_paths=True`; `check_cluster_addresses` reads only the recipe and always runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dsv4rl.config.rules_base import Add
+from dsv4rl.config.schema import Config
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+NODE_ADDRS_FIX = (
+    "pass cluster.node_addrs=[host0,host1,...] (every node's hostname or IP, in node-rank order; "
+    "launch/slurm/dapo_math_4node.sbatch passes it from `scontrol show hostnames`)"
+)
+
+
+def _engine_nodes_text(cfg: Config) -> str:
+    r, t, c = cfg.parallel.rollout, cfg.parallel.train, cfg.cluster
+    if r.nnodes > 0 and not cfg.parallel.colocate:
+        return f"nodes {t.nnodes}..{t.nnodes + r.nnodes - 1}"
+    return f"nodes 0..{c.nnodes - 1}"
+
+
+def check_cluster_addresses(cfg: Config, add: Add) -> None:
+    """Multi-node: engine URLs are `http://<cluster.node_addrs[node]>:<port>`, so engines must bind a
+    non-loopback address and node_addrs (when given; required by the path checks) must name every node."""
+    c = cfg.cluster
+    if c.node_addrs and len(c.node_addrs) != c.nnodes:
+        add(
+            f"cluster.node_addrs lists {len(c.node_addrs)} address(es) but cluster.nnodes={c.nnodes}: "
+            f"{NODE_ADDRS_FIX}"
+        )
+    if any(not a.strip() for a in c.node_addrs):
+        add(f"cluster.node_addrs has an empty entry ({list(c.node_addrs)}); {NODE_ADDRS_FIX}")
+    if c.nnodes > 1 and cfg.engine.host in LOOPBACK:
+        add(
+            f"engine.host={cfg.engine.host} binds loopback only, but with cluster.nnodes={c.nnodes} trainer "
+            f"rank 0 on node 0 reaches the engines on {_engine_nodes_text(cfg)} through "
+            "cluster.node_addrs: set engine.host=0.0.0.0"
+        )
+
+
+def check_built(cfg: Config, add: Add) -> None:
+    """Settings the schema plans for but this version cannot run yet: refuse them before anything starts."""
+    if cfg.parallel.train.backend.value == "megatron":
+        add(
+            "parallel.train.backend=megatron: the Megatron-core train engine is not built yet; only fsdp "
+            "trains (`dsv4rl plan` and `--cfg` still show the Megatron layout)"
+        )
+    if cfg.quant.rollout_weights.value == "fp8" or cfg.quant.expert_weights.value in ("fp8", "fp4"):
+        add(
+            "quant: FP8/FP4 weights on the wire are not built yet (the sync sends the trainer's dtype); "
+            "use quant=none"
+        )
+
+
+def check_paths(cfg: Config, add: Add) -> None:
+    m = cfg.model
+    if m.path is not None:
+        path = Path(m.path).expanduser()
+        if not path.is_dir():
+            add(
+                f"model.path {m.path!r} does not exist (resolved: {path.resolve()}): download the model, a "
+                "Hugging Face directory with config.json, and pass model.path=<that directory>"
+            )
+        elif not (path / "config.json").is_file():
+            add(
+                f"model.path {m.path!r} has no config.json: point model.path at a Hugging Face "
+                "model directory"
+            )
+    tok = m.tokenizer
+    path_like = tok != "arith_chars" and tok != m.path and tok.startswith(("/", ".", "~"))
+    if path_like and not Path(tok).expanduser().is_dir():
+        add(f"model.tokenizer {tok!r} does not exist: pass model.tokenizer=<tokenizer directory>")
+    if cfg.data.path is not None and not Path(cfg.data.path).expanduser().is_file():
+        add(
+            f"data.path {cfg.data.path!r} does not exist (resolved: {Path(cfg.data.path).resolve()}): pass "
+            "data.path=<jsonl or parquet file> or set DSV4RL_DATA_DIR to the data directory"
+        )
+    e = cfg.eval
+    if e.name != "none" and e.dataset is not None and not Path(e.dataset).expanduser().is_file():
+        add(
+            f"eval.dataset {e.dataset!r} does not exist (resolved: {Path(e.dataset).resolve()}): pass "
+            "eval.dataset=<jsonl file>, set DSV4RL_DATA_DIR, or use eval=none"
+        )
+    c = cfg.cluster
+    if c.nnodes > 1 and c.master_addr in LOOPBACK:
+        add(
+            f"cluster.master_addr={c.master_addr} is a loopback address but cluster.nnodes={c.nnodes}: "
+            "set cluster.master_addr=<node 0 host> (or export MASTER_ADDR)"
+        )
+    if c.nnodes > 1 and not c.node_addrs:
+        add(
+            f"cluster.node_addrs is empty but cluster.nnodes={c.nnodes}: trainer rank 0 on node 0 reaches "
+            f"the engines on {_engine_nodes_text(cfg)} at their node's address; {NODE_ADDRS_FIX}"
+        )
+    loopback = [a for a in c.node_addrs if a in LOOPBACK]
+    if c.nnodes > 1 and loopback:
+        add(
+            f"cluster.node_addrs has loopback address(es) {loopback} but cluster.nnodes={c.nnodes}: other "
+            "nodes cannot reach them; give each node's hostname or IP"
+        )

@@ -1,0 +1,228 @@
+"""Run-setting rules: algorithm, sampling, optimizer, model (tiny), data / reward / eval, sync and engine.
+
+These read only the recipe, so `dsv4rl train --cfg` checks them on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dsv4rl.config.rules_base import Add, data_parallel_size
+from dsv4rl.config.schema import Config, RolloutEngineKind, SamplingConfig
+
+GRADERS = ("arith", "dapo", "boxed", "math_verify")
+PAUSE_MODES = ("abort", "retract", "in_place")
+SYNC_NAMINGS = ("native", "hf")
+OPTIMIZERS = ("adam", "adamw")
+SCALE_FORMATS = ("ue8m0", "fp32")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+# Same as dsv4rl.model.tiny.LAYER_TYPES / MLP_TYPES (not imported: that pulls in torch and transformers).
+LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+MLP_TYPES = ("hash_moe", "moe")
+
+
+def _check_sampling(prefix: str, s: SamplingConfig, add: Add) -> None:
+    if s.temperature < 0:
+        add(f"{prefix}.temperature must be >= 0 (got {s.temperature}; 0 means greedy)")
+    if not 0.0 < s.top_p <= 1.0:
+        add(f"{prefix}.top_p must be in (0, 1] (got {s.top_p})")
+    if s.top_k != -1 and s.top_k < 1:
+        add(f"{prefix}.top_k must be -1 (off) or >= 1 (got {s.top_k})")
+    if s.max_new_tokens < 1:
+        add(f"{prefix}.max_new_tokens must be >= 1 (got {s.max_new_tokens})")
+
+
+def check_algo(cfg: Config, add: Add) -> None:
+    a = cfg.algo
+    if a.group_size < 2:
+        add(
+            f"algo.group_size={a.group_size}: GRPO compares responses to the same prompt, so a group "
+            "needs >= 2 responses"
+        )
+    if a.prompts_per_step < 1:
+        add(f"algo.prompts_per_step must be >= 1 (got {a.prompts_per_step})")
+    if a.updates_per_step < 1:
+        add(f"algo.updates_per_step must be >= 1 (got {a.updates_per_step})")
+    if not 0.0 < a.eps_clip_low < 1.0:
+        add(f"algo.eps_clip_low must be in (0, 1) (got {a.eps_clip_low}); the ratio is clipped at 1 - eps")
+    if a.eps_clip_high <= 0.0:
+        add(f"algo.eps_clip_high must be > 0 (got {a.eps_clip_high})")
+    if a.kl_coef < 0:
+        add(f"algo.kl_coef must be >= 0 (got {a.kl_coef})")
+    if a.tis.clip <= 0:
+        add(f"algo.tis.clip must be > 0 (got {a.tis.clip})")
+    if a.dynamic_sampling.max_oversample_factor < 1:
+        add(
+            "algo.dynamic_sampling.max_oversample_factor must be >= 1 "
+            f"(got {a.dynamic_sampling.max_oversample_factor})"
+        )
+    _check_sampling("algo.sampling", a.sampling, add)
+    o = a.overlong
+    if o.enabled:
+        if o.expected_len < 1 or o.buffer_len < 1:
+            add(
+                "algo.overlong.expected_len and buffer_len must be >= 1 "
+                f"(got {o.expected_len}, {o.buffer_len})"
+            )
+        elif o.expected_len >= a.sampling.max_new_tokens:
+            add(
+                f"algo.overlong.expected_len={o.expected_len} is not below algo.sampling.max_new_tokens="
+                f"{a.sampling.max_new_tokens}, so the overlong penalty can never apply: lower expected_len "
+                "or disable algo.overlong"
+            )
+        if o.penalty < 0:
+            add(f"algo.overlong.penalty must be >= 0 (got {o.penalty}; it is subtracted)")
+    if a.group_size >= 1 and a.prompts_per_step >= 1 and a.updates_per_step >= 1:
+        samples = a.prompts_per_step * a.group_size
+        dp = data_parallel_size(cfg)
+        if dp >= 1 and samples % (dp * a.updates_per_step):
+            add(
+                f"algo.prompts_per_step x group_size = {samples} responses must split evenly into "
+                f"algo.updates_per_step={a.updates_per_step} mini-batches over {dp} data-parallel ranks "
+                f"(a multiple of {dp * a.updates_per_step})"
+            )
+
+
+def check_optim(cfg: Config, add: Add) -> None:
+    o = cfg.optim
+    if o.name not in OPTIMIZERS:
+        add(f"optim.name={o.name!r} is not supported; choose one of {', '.join(OPTIMIZERS)}")
+    if o.lr <= 0:
+        add(f"optim.lr must be > 0 (got {o.lr})")
+    if o.weight_decay < 0:
+        add(f"optim.weight_decay must be >= 0 (got {o.weight_decay})")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        add(f"optim.betas must be two values in [0, 1) (got {list(o.betas)})")
+    if o.eps <= 0:
+        add(f"optim.eps must be > 0 (got {o.eps})")
+    if o.grad_clip < 0:
+        add(f"optim.grad_clip must be >= 0 (got {o.grad_clip}; 0 disables clipping)")
+    if o.warmup_steps < 0:
+        add(f"optim.warmup_steps must be >= 0 (got {o.warmup_steps})")
+
+
+def _longest_sequence(cfg: Config) -> int:
+    new_tokens = cfg.algo.sampling.max_new_tokens
+    if cfg.eval.name != "none":
+        new_tokens = max(new_tokens, cfg.eval.sampling.max_new_tokens)
+    return cfg.data.max_prompt_len + new_tokens
+
+
+def check_model(cfg: Config, add: Add) -> None:
+    m, tiny = cfg.model, cfg.model.tiny
+    if m.path is None:
+        n = tiny.num_hidden_layers
+        if n < 1:
+            add(f"model.tiny.num_hidden_layers must be >= 1 (got {n})")
+        for key, values, allowed in (
+            ("layer_types", tiny.layer_types, LAYER_TYPES),
+            ("mlp_layer_types", tiny.mlp_layer_types, MLP_TYPES),
+        ):
+            if len(values) != n:
+                add(
+                    f"model.tiny.{key} lists {len(values)} entries but num_hidden_layers={n}: "
+                    "give one per layer"
+                )
+            unknown = sorted(set(values) - set(allowed))
+            if unknown:
+                add(f"model.tiny.{key} has unknown values {unknown}; choose from {', '.join(allowed)}")
+        if not 1 <= tiny.num_experts_per_tok <= tiny.n_routed_experts:
+            add(
+                f"model.tiny.num_experts_per_tok={tiny.num_experts_per_tok} must be in 1..n_routed_experts="
+                f"{tiny.n_routed_experts}"
+            )
+        longest = _longest_sequence(cfg)
+        if tiny.max_position_embeddings < longest:
+            add(
+                f"model.tiny.max_position_embeddings={tiny.max_position_embeddings} is below the longest "
+                f"sequence ({longest} = data.max_prompt_len + max_new_tokens)"
+            )
+        uses_csa = "compressed_sparse_attention" in tiny.layer_types
+        if (
+            uses_csa
+            and cfg.parallel.rollout.engine == RolloutEngineKind.reference
+            and tiny.csa_compress_rate >= 1
+        ):
+            needed = math.ceil(longest / tiny.csa_compress_rate)
+            if tiny.index_topk < needed:
+                add(
+                    f"model.tiny.index_topk={tiny.index_topk} is below "
+                    f"ceil(({cfg.data.max_prompt_len} prompt + "
+                    f"{longest - cfg.data.max_prompt_len} new tokens) / csa_compress_rate "
+                    f"{tiny.csa_compress_rate}) = {needed}: the reference engine's cached decoding would no "
+                    f"longer equal a full forward; set model.tiny.index_topk={needed} or shorten "
+                    "data.max_prompt_len / max_new_tokens"
+                )
+    else:
+        if m.num_hidden_layers is not None and m.num_hidden_layers < 1:
+            add(f"model.num_hidden_layers must be >= 1 (got {m.num_hidden_layers})")
+        if m.n_routed_experts is not None and m.n_routed_experts < 1:
+            add(f"model.n_routed_experts must be >= 1 (got {m.n_routed_experts})")
+
+
+def check_data_reward_eval(cfg: Config, add: Add) -> None:
+    d, r, e = cfg.data, cfg.reward, cfg.eval
+    if d.name != "tiny_arith" and d.path is None:
+        add(f"data.name={d.name!r} reads a file: set data.path=<jsonl or parquet file>")
+    if d.path is not None and not d.path.endswith(DATA_SUFFIXES):
+        add(f"data.path={d.path!r} must be a {' / '.join(DATA_SUFFIXES)} file")
+    if d.max_prompt_len < 1:
+        add(f"data.max_prompt_len must be >= 1 (got {d.max_prompt_len})")
+    if d.name == "tiny_arith":
+        if d.arith.max_operand < 0 or d.arith.max_answer < 0:
+            add("data.arith.max_operand and max_answer must be >= 0")
+        if not d.arith.ops:
+            add("data.arith.ops must list at least one operator")
+    if r.grader not in GRADERS:
+        add(f"reward.grader={r.grader!r} is unknown; choose one of {', '.join(GRADERS)}")
+    if r.timeout_s <= 0:
+        add(f"reward.timeout_s must be > 0 (got {r.timeout_s})")
+    if e.grader not in GRADERS:
+        add(f"eval.grader={e.grader!r} is unknown; choose one of {', '.join(GRADERS)}")
+    if e.every_steps < 0:
+        add(f"eval.every_steps must be >= 0 (got {e.every_steps}; 0: no periodic evaluation)")
+    if e.name != "none":
+        if e.dataset is None:
+            add(f"eval.name={e.name!r} needs eval.dataset=<jsonl file> (or eval=none)")
+        if e.samples_per_problem < 1:
+            add(f"eval.samples_per_problem must be >= 1 (got {e.samples_per_problem})")
+        bad_k = [k for k in e.k if not 1 <= k <= e.samples_per_problem]
+        if bad_k or not e.k:
+            add(f"eval.k values must be in 1..samples_per_problem={e.samples_per_problem} (got {list(e.k)})")
+        _check_sampling("eval.sampling", e.sampling, add)
+
+
+def check_run(cfg: Config, add: Add) -> None:
+    t, s, q, eng = cfg.train, cfg.sync, cfg.quant, cfg.engine
+    if t.steps < 1:
+        add(f"train.steps must be >= 1 (got {t.steps})")
+    if t.micro_batch_size < 1:
+        add(f"train.micro_batch_size must be >= 1 (got {t.micro_batch_size})")
+    if t.checkpoint_every < 0:
+        add(f"train.checkpoint_every must be >= 0 (got {t.checkpoint_every}; 0: never)")
+    if t.keep_checkpoints < 1:
+        add(f"train.keep_checkpoints must be >= 1 (got {t.keep_checkpoints})")
+    if t.log_every < 1:
+        add(f"train.log_every must be >= 1 (got {t.log_every})")
+    if s.bucket_bytes <= 0:
+        add(f"sync.bucket_bytes must be > 0 (got {s.bucket_bytes})")
+    if s.pause_mode not in PAUSE_MODES:
+        add(f"sync.pause_mode={s.pause_mode!r} is unknown; choose one of {', '.join(PAUSE_MODES)}")
+    if s.naming not in SYNC_NAMINGS:
+        add(f"sync.naming={s.naming!r} is unknown; choose one of {', '.join(SYNC_NAMINGS)}")
+    if s.timeout_s <= 0:
+        add(f"sync.timeout_s must be > 0 (got {s.timeout_s})")
+    if not s.group_name:
+        add("sync.group_name must not be empty")
+    if len(q.block_size) != 2 or any(b < 1 for b in q.block_size):
+        add(f"quant.block_size must be two positive sizes (got {list(q.block_size)})")
+    if q.scale_fmt not in SCALE_FORMATS:
+        add(f"quant.scale_fmt={q.scale_fmt!r} is unknown; choose one of {', '.join(SCALE_FORMATS)}")
+    if eng.max_batch_size < 1 or eng.max_concurrency < 1:
+        add("engine.max_batch_size and engine.max_concurrency must be >= 1")
+    if eng.retries < 0:
+        add(f"engine.retries must be >= 0 (got {eng.retries})")
+    if eng.startup_timeout_s <= 0 or eng.request_timeout_s <= 0:
+        add("engine.startup_timeout_s and engine.request_timeout_s must be > 0")
+    if not cfg.run.dir:
+        add("run.dir must not be empty")

@@ -1,0 +1,84 @@
+"""`dsv4rl train` on one node: check ports and the run dir, write the resolved recipe, build the tiny model,
+then hand this node's processes to the `Supervisor`.
+
+Apart from the supervisor so that process handling stays free of run-dir and recipe concerns.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from dsv4rl.config.schema import Config
+from dsv4rl.launcher.marker import DoneMarker
+from dsv4rl.launcher.plan import build_local_plan, check_ports, config_path, remote_engine_health
+from dsv4rl.launcher.supervisor import Supervisor
+
+
+def write_config(cfg: Config, run_dir: Path) -> Path:
+    """The resolved recipe the trainer reads (`--config`), with `run.dir` made absolute."""
+    tree = OmegaConf.structured(cfg)
+    tree.run.dir = str(run_dir)
+    path = config_path(cfg, run_dir)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(OmegaConf.to_yaml(tree, resolve=True))
+    tmp.replace(path)
+    return path
+
+
+class RunDirInUse(ValueError):
+    """The run dir belongs to an earlier run and resume was not asked for."""
+
+
+def check_run_dir(cfg: Config, run_dir: Path) -> None:
+    """A fresh run must not mix its checkpoints and metrics with an earlier run's."""
+    from dsv4rl.train.checkpoint import latest_checkpoint
+
+    if cfg.resume:
+        return
+    previous = latest_checkpoint(run_dir / "checkpoints")
+    if previous is not None:
+        raise RunDirInUse(
+            f"{run_dir} already holds a run (checkpoint {previous.name}): pass resume=true to continue it, "
+            "or choose a new run.dir"
+        )
+
+
+def run_training(cfg: Config, *, console: Console | None = None, plan_builder=build_local_plan) -> int:
+    """`dsv4rl train`: check ports, prepare the run dir and model, run the node's processes to the end."""
+    console = console or Console()
+    run_dir = Path(cfg.run.dir).resolve()
+    check_ports(cfg)  # before anything is written or started
+    remote_engines = remote_engine_health(cfg)  # ConfigError without cluster.node_addrs
+    check_run_dir(cfg, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    write_config(cfg, run_dir)
+    if cfg.model.path is None:
+        from dsv4rl.model.tiny import materialize_model
+
+        with console.status("building the tiny model from its seed ..."):
+            materialize_model(cfg.model, str(run_dir / "model"))
+    specs = plan_builder(cfg, run_dir)
+    node, multi_node = cfg.cluster.node_rank, cfg.cluster.nnodes > 1
+    marker = None
+    if multi_node and node == 0:
+        marker = DoneMarker(run_dir)
+        marker.clear()  # an earlier run's; rollout-only nodes ignore it anyway
+    elif multi_node and not any(s.role == "trainer" for s in specs):
+        marker = DoneMarker(run_dir)
+    supervisor = Supervisor(
+        specs,
+        run_dir,
+        total_steps=cfg.train.steps,
+        console=console,
+        live=cfg.run.progress and sys.stdout.isatty() and node == 0,
+        startup_timeout_s=cfg.engine.startup_timeout_s,
+        remote_engines=remote_engines,
+        done_marker=marker,
+        show_progress=node == 0,  # nodes share one log under srun: one progress display
+    )
+    return supervisor.run()
