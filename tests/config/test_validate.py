@@ -436,3 +436,13 @@ def test_unbuilt_features_are_refused_before_a_run_but_still_plan() -> None:
     message = str(error.value)
     assert "Megatron-core train engine is not built yet" in message
     assert "use quant=none" in message
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [("lr_schedule", "linear", "choose one of constant, cosine"), ("min_lr_ratio", 1.5, "min_lr_ratio")],
+)
+def test_lr_schedule_settings(tiny: Config, key: str, value: object, message: str) -> None:
+    setattr(tiny.optim, key, value)
+    with pytest.raises(ConfigError, match=message):
+        validate(tiny, check_paths=False)

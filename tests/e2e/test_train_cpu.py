@@ -93,31 +93,55 @@ def test_same_seed_same_curve(demo_run: Path, tmp_path: Path) -> None:
 
 
 def test_resume_reaches_the_same_weights(tmp_path: Path) -> None:
+    """Stop a run (Ctrl-C) once it has a checkpoint, resume it, compare with an uninterrupted run."""
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    train(straight, "train.steps=4", "train.checkpoint_every=2")
-    train(stopped, "train.steps=2", "train.checkpoint_every=2")
-    result = train(stopped, "train.steps=4", "train.checkpoint_every=2", "resume=true")
-    assert "resumed from" in (stopped / "logs" / "trainer.log").read_text(), result.stdout
+    settings = ("train.steps=6", "train.checkpoint_every=2")
+    train(straight, *settings)
 
-    ours = model_weights(stopped / "checkpoints" / "step_00000004", tmp_path)
-    theirs = model_weights(straight / "checkpoints" / "step_00000004", tmp_path)
+    argv = [*CLI, "recipe=tiny_arith", f"run.dir={stopped}", "run.progress=false", *settings]
+    process = subprocess.Popen(
+        [*argv, *port_overrides()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    first = stopped / "checkpoints" / "step_00000002" / "trainer_state.pt"
+    try:
+        deadline = time.monotonic() + 300
+        while not first.exists():
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "no checkpoint in 300 s"
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130
+    interrupted_at = len(read_metrics(stopped / "metrics.jsonl"))
+    assert interrupted_at < 6, "the run finished before it was stopped"
+
+    train(stopped, *settings, "resume=true")
+    assert "resumed from" in (stopped / "logs" / "trainer.log").read_text()
+    ours = model_weights(stopped / "checkpoints" / "step_00000006", tmp_path)
+    theirs = model_weights(straight / "checkpoints" / "step_00000006", tmp_path)
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
-    # The engine held the resumed weights before its first rollout: steps 3-4 sampled the same responses.
+    # The engine held the resumed weights before its first rollout: later steps sampled the same responses.
     resumed, uninterrupted = (read_metrics(run / "metrics.jsonl") for run in (stopped, straight))
-    assert [line["step"] for line in resumed] == [1, 2, 3, 4]
+    assert [line["step"] for line in resumed] == [1, 2, 3, 4, 5, 6]
     for ours_line, theirs_line in zip(resumed, uninterrupted, strict=True):
         assert {key: ours_line[key] for key in NON_TIMING} == {key: theirs_line[key] for key in NON_TIMING}
 
 
 def test_two_trainer_ranks(tmp_path: Path) -> None:
-    """FSDP2 over 2 gloo ranks: both train, rank 0 drives the engine and the sync."""
+    """FSDP2 over 2 gloo ranks: both train, rank 0 drives the engine and the sync.
+
+    Multi-token answers here, so the engine's cached decoding is compared with the trainer's full forward."""
     run_dir = tmp_path / "fsdp2"
-    train(run_dir, "parallel=cpu_fsdp2", "train.steps=3")
+    train(run_dir, "parallel=cpu_fsdp2", "train.steps=3", "algo.sampling.max_new_tokens=4")
     metrics = read_metrics(run_dir / "metrics.jsonl")
     assert [line["step"] for line in metrics] == [1, 2, 3]
     assert max(line["logprob_abs_diff"] for line in metrics) < 1e-4
+    assert all(line["response_len_mean"] > 1 for line in metrics)
     assert "rank1" in (run_dir / "logs" / "trainer.log").read_text()
 
 

@@ -83,6 +83,9 @@ def check_algo(cfg: Config, add: Add) -> None:
             )
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
 def check_optim(cfg: Config, add: Add) -> None:
     o = cfg.optim
     if o.name not in OPTIMIZERS:
@@ -99,6 +102,10 @@ def check_optim(cfg: Config, add: Add) -> None:
         add(f"optim.grad_clip must be >= 0 (got {o.grad_clip}; 0 disables clipping)")
     if o.warmup_steps < 0:
         add(f"optim.warmup_steps must be >= 0 (got {o.warmup_steps})")
+    if o.lr_schedule not in LR_SCHEDULES:
+        add(f"optim.lr_schedule={o.lr_schedule!r} is not known; choose one of {', '.join(LR_SCHEDULES)}")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        add(f"optim.min_lr_ratio must be in [0, 1] (got {o.min_lr_ratio})")
 
 
 def _longest_sequence(cfg: Config) -> int:

@@ -240,6 +240,9 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     warmup_steps: int = 0
+    # After warmup: "constant", or "cosine" decay to lr * min_lr_ratio at the last optimizer step.
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.1
 
 
 @dataclass

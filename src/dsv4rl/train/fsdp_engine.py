@@ -7,6 +7,7 @@ it, with the same number of sequences in `train_step` (shard the global batch wi
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,14 +41,22 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-class _WarmupThenConstant:
-    """Linear warmup over `steps` optimizer steps (step k uses lr*(k+1)/steps), then constant."""
+class LearningRateSchedule:
+    """Multiplier of the base lr: linear warmup over `warmup` optimizer steps (step k uses (k+1)/warmup),
+    then constant, or a cosine decay to `min_ratio` at step `total` - 1."""
 
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
+    def __init__(self, warmup: int, total: int = 0, kind: str = "constant", min_ratio: float = 0.1) -> None:
+        if kind not in ("constant", "cosine"):
+            raise ValueError(f"optim.lr_schedule={kind!r}: choose constant or cosine")
+        self.warmup, self.total, self.kind, self.min_ratio = warmup, total, kind, min_ratio
 
     def __call__(self, step: int) -> float:
-        return 1.0 if self.steps <= 0 else min(1.0, (step + 1) / self.steps)
+        if self.warmup > 0 and step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.kind == "constant" or self.total <= self.warmup + 1:
+            return 1.0
+        progress = min(1.0, (step - self.warmup) / (self.total - 1 - self.warmup))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _sum_factor(mask: Tensor, mode: str) -> Tensor:
@@ -97,7 +106,13 @@ class FSDPTrainEngine:
             weight_decay=optim.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, _WarmupThenConstant(optim.warmup_steps)
+            self.optimizer,
+            LearningRateSchedule(
+                optim.warmup_steps,
+                total=cfg.train.steps * cfg.algo.updates_per_step,
+                kind=optim.lr_schedule,
+                min_ratio=optim.min_lr_ratio,
+            ),
         )
         self.step = 0  # completed train_step calls
 
