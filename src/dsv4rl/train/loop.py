@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -42,8 +43,20 @@ class Driver:
     stream: PromptStream
     grader: Grader
     tokenizer: object
-    writer: MetricsWriter
+    metrics_path: Path
     event_loop: asyncio.AbstractEventLoop
+
+
+class TrainEngine(Protocol):
+    """The seam to the training backend (`fsdp` today; Megatron-core next). All methods are collective."""
+
+    def train_step(self, batch: TrainBatch, temperature: float | None = None) -> dict[str, float]: ...
+
+    def named_weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> Path: ...
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]: ...
 
 
 def rollout_seed(seed: int, step: int, attempt: int = 0) -> int:
@@ -63,7 +76,7 @@ def shape_rewards(cfg: Config, samples: list[Sample], rewards: list[float]) -> t
 
 
 class RLLoop:
-    def __init__(self, cfg: Config, engine, run_dir: Path, driver: Driver | None) -> None:
+    def __init__(self, cfg: Config, engine: TrainEngine, run_dir: Path, driver: Driver | None) -> None:
         self.cfg = cfg
         self.engine = engine
         self.run_dir = run_dir
@@ -71,6 +84,7 @@ class RLLoop:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.checkpoint_root = run_dir / "checkpoints"
+        self.writer: MetricsWriter | None = None
 
     # ----------------------------------------------------------------- setup
     def resume(self) -> int:
@@ -94,8 +108,8 @@ class RLLoop:
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
         start = self.resume()
-        if self.driver is not None:
-            self.driver.writer = MetricsWriter(self.driver.writer.path, resume_from_step=start)
+        if self.driver is not None:  # a resumed run drops the lines of steps after its checkpoint
+            self.writer = MetricsWriter(self.driver.metrics_path, resume_from_step=start)
         # The engines start from the model directory; after a resume they must hold the resumed weights.
         self.sync_weights(version=start)
         for step in range(start + 1, self.cfg.train.steps + 1):
@@ -119,7 +133,7 @@ class RLLoop:
             metrics = {"step": step, **rollout_metrics, **train_metrics, **timer.as_metrics()}
             metrics["sync_bytes"] = sync_stats.bytes if sync_stats else 0
             metrics["sync_gb_per_s"] = sync_stats.gb_per_s if sync_stats else 0.0
-            self.driver.writer.write(metrics)
+            self.writer.write(metrics)
 
     # -------------------------------------------------------- rank 0: rollout
     def collect_batch(self, step: int, timer: StepTimer) -> tuple[TrainBatch, dict[str, float]]:

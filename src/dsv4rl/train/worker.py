@@ -23,7 +23,6 @@ from dsv4rl.config.compose import load_config_file
 from dsv4rl.config.schema import Config
 from dsv4rl.data.stream import build_prompt_stream
 from dsv4rl.launcher.plan import engine_urls
-from dsv4rl.metrics import MetricsWriter
 from dsv4rl.model.tiny import load_tokenizer
 from dsv4rl.reward.graders import get_grader
 from dsv4rl.rollout.client import EngineClient
@@ -70,7 +69,7 @@ def build_driver(
         stream=build_prompt_stream(cfg),
         grader=get_grader(cfg.reward.grader, reward=cfg.reward),
         tokenizer=tokenizer,
-        writer=MetricsWriter(run_dir / "metrics.jsonl"),
+        metrics_path=run_dir / "metrics.jsonl",
         event_loop=event_loop,
     )
 
