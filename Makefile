@@ -1,4 +1,4 @@
-# dsv4rl — set-up, tests and the CPU demo.
+# dsv4rl — set-up, tests, benchmarks and the CPU demo.
 # `make install` installs into the active virtual environment, or creates .venv when none is active.
 VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
 PYTHON ?= python3
@@ -23,8 +23,12 @@ test-fast:
 	$(PY) -m pytest -q -m "not slow"
 
 lint:
-	$(PY) -m ruff check src tests
-	$(PY) -m ruff format --check src tests
+	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff format --check src tests bench
+
+# WeightSync throughput vs memcpy (bench/README.md); `make bench BENCH_ARGS=--quick` for the short run.
+bench:
+	$(PY) bench/weight_sync.py $(BENCH_ARGS)
 
 demo:
 	$(VENV)/bin/dsv4rl train recipe=tiny_arith run.dir=runs/demo

@@ -1,0 +1,48 @@
+"""Smoke test of the weight-sync benchmark: `bench/weight_sync.py --quick` runs and writes its JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "weight_sync.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_weight_sync_bench_quick(tmp_path: Path) -> None:
+    out = tmp_path / "weight_sync.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=40,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+
+    meta = result["meta"]
+    for key in ("timestamp", "torch", "cpu_count", "git_commit", "mode"):
+        assert key in meta
+    assert meta["mode"] == "quick"
+    assert result["memcpy"]["bytes"] > 0 and result["memcpy"]["gb_per_s"] > 0
+
+    syncs = result["syncs"]
+    combos = {(s["set"], s["format"]) for s in syncs}
+    assert combos == {(n, f) for n in ("tiny", "synthetic") for f in ("per_tensor", "flattened_bucket")}
+    assert {s["bucket_bytes"] for s in syncs if s["set"] == "synthetic"} >= {1 << 30}
+    for s in syncs:
+        assert s["bytes"] > 0 and s["buckets"] >= 1 and s["tensors"] >= 1
+        assert s["gb_per_s"] > 0 and s["transfer_gb_per_s"] > 0
+        assert 0 < s["transfer_seconds"] <= s["seconds"]
+        assert s["ratio_vs_memcpy"] == pytest.approx(s["gb_per_s"] / result["memcpy"]["gb_per_s"])
+        assert s["ratio_vs_1gib"] > 0
+    # the small-bucket runs really split the synthetic set
+    assert max(s["buckets"] for s in syncs if s["set"] == "synthetic") > 1
+    assert "memcpy" in proc.stdout and "GB/s" in proc.stdout
