@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import copy
 from pathlib import Path
 
@@ -320,14 +319,9 @@ def test_index_topk_covers_longest_sequence(tiny: Config) -> None:
 
 
 def test_layer_type_constants_match_the_model_module() -> None:
-    source = Path(validate_module.__file__).parents[1] / "model" / "tiny.py"
-    constants = {
-        node.targets[0].id: ast.literal_eval(node.value)
-        for node in ast.parse(source.read_text()).body
-        if isinstance(node, ast.Assign)
-        and isinstance(node.targets[0], ast.Name)
-        and node.targets[0].id in ("LAYER_TYPES", "MLP_TYPES")
-    }
+    from dsv4rl.model import tiny
+
+    constants = {"LAYER_TYPES": tiny.LAYER_TYPES, "MLP_TYPES": tiny.MLP_TYPES}
     assert constants == {"LAYER_TYPES": validate_module.LAYER_TYPES, "MLP_TYPES": validate_module.MLP_TYPES}
 
 

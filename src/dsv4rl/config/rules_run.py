@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from dsv4rl.config.rules_base import Add, data_parallel_size
-from dsv4rl.config.schema import Config, RolloutEngineKind, SamplingConfig
+from dsv4rl.config.schema import LAYER_TYPES, MLP_TYPES, Config, RolloutEngineKind, SamplingConfig
 
 GRADERS = ("arith", "dapo", "boxed", "math_verify")
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -16,9 +16,6 @@ SYNC_NAMINGS = ("native", "hf")
 OPTIMIZERS = ("adam", "adamw")
 SCALE_FORMATS = ("ue8m0", "fp32")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-# Same as dsv4rl.model.tiny.LAYER_TYPES / MLP_TYPES (not imported: that pulls in torch and transformers).
-LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
-MLP_TYPES = ("hash_moe", "moe")
 
 
 def _check_sampling(prefix: str, s: SamplingConfig, add: Add) -> None:

@@ -69,6 +69,11 @@ class ClusterKind(StrEnum):
     slurm = "slurm"
 
 
+# The layer kinds transformers' DeepseekV4Config accepts (recipes name them in model.tiny).
+LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+MLP_TYPES = ("hash_moe", "moe")
+
+
 @dataclass
 class TinyModelConfig:
     """A tiny DeepseekV4ForCausalLM covering every layer type (sliding, CSA, HCA; hash and score MoE)."""

@@ -10,11 +10,8 @@ import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as transformers_logging
 
-from dsv4rl.config.schema import ModelConfig, TinyModelConfig
+from dsv4rl.config.schema import LAYER_TYPES, MLP_TYPES, ModelConfig, TinyModelConfig
 from dsv4rl.model.tokenizer import build_char_tokenizer
-
-LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
-MLP_TYPES = ("hash_moe", "moe")
 
 
 def tiny_hf_config(tiny: TinyModelConfig, vocab_size: int) -> DeepseekV4Config:

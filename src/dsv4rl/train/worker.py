@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +63,10 @@ def build_driver(
         master_port=cfg.cluster.weight_sync_port,
         engine_ranks=[ranks_per_engine] * len(clients),
     )
-    tokenizer = load_tokenizer(cfg.model) if cfg.model.path is None else load_tokenizer_from(model_path)
+    # The tiny model builds its tokenizer; a model directory carries its own.
+    tokenizer = load_tokenizer(
+        cfg.model if cfg.model.path is None else replace(cfg.model, tokenizer=model_path)
+    )
     return Driver(
         clients=clients,
         sync=sync,
@@ -72,12 +76,6 @@ def build_driver(
         metrics_path=run_dir / "metrics.jsonl",
         event_loop=event_loop,
     )
-
-
-def load_tokenizer_from(model_path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
 
 
 def main(argv: list[str] | None = None) -> int:
