@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch (pip takes it from the local wheel cache where there is one).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test test-fast lint demo bench clean
+.PHONY: install test test-fast lint demo bench bench-quant clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ lint:
 # WeightSync throughput vs memcpy (bench/README.md); `make bench BENCH_ARGS=--quick` for the short run.
 bench:
 	$(PY) bench/weight_sync.py $(BENCH_ARGS)
+
+# A 1 GiB sync: bucketed vs raw broadcast vs one request per tensor, and quantization per format.
+bench-quant:
+	$(PY) bench/quant_sync.py $(BENCH_ARGS)
 
 demo:
 	$(VENV)/bin/dsv4rl train recipe=tiny_arith run.dir=runs/demo

@@ -16,16 +16,9 @@ and writes every number as JSON to --out. See bench/README.md.
 from __future__ import annotations
 
 import argparse
-import atexit
-import datetime as dt
-import json
 import os
-import platform
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,12 +26,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import (
+    MIB,
+    ROOT,
+    Engines,
+    bench_main,
+    fmt_bytes,
+    free_port,
+    measure_memcpy,
+    run_meta,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "weight_sync.json"
 ENGINE_SEED = 11  # the engine starts from this tiny model ...
 TRAINER_SEED = 22  # ... and the trainer pushes this one
-MIB = 1 << 20
 FLAT = "flattened_bucket"
 
 # Sizes per mode: synthetic set, its bucket sizes, tiny-model bucket sizes, repeats, and the time bounds.
@@ -69,12 +70,6 @@ MODES: dict[str, dict[str, Any]] = {
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @torch.no_grad()
 def trainer_model(seed: int) -> torch.nn.Module:
     """The tiny model from `seed`, with tensors every seed initialises alike (zeros, ones) randomised."""
@@ -99,149 +94,21 @@ def synthetic(total_mib: int, side: int, seed: int) -> torch.nn.Module:
     return module
 
 
-def nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def fmt_bytes(n: int) -> str:
-    return f"{n / (1 << 30):g} GiB" if n >= 1 << 30 else f"{n / MIB:g} MiB" if n >= MIB else f"{n >> 10} KiB"
-
-
-def git_commit() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return {"git_commit": None, "git_dirty": None}
-    return {"git_commit": commit or None, "git_dirty": bool(dirty) if commit else None}
-
-
 # ---------------------------------------------------------------------------------------------- engines
-def _die_with_parent() -> None:
-    """preexec_fn of each engine (Linux): SIGKILL it when the bench process dies, even by SIGKILL."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def serve_synthetic(port: int, model_dir: str, total_mib: int, side: int) -> None:
     """Engine process: the reference engine whose WeightReceiver targets the synthetic module."""
     import uvicorn
 
     from dsv4rl.engine.server import create_app
     from dsv4rl.engine.weight_receiver import WeightReceiver
+    from dsv4rl.engine.weight_store import HeldWeights
 
-    receiver = WeightReceiver(synthetic(total_mib, side, seed=0))
+    receiver = WeightReceiver(HeldWeights(synthetic(total_mib, side, seed=0).state_dict()))
     app = create_app(model_dir, receiver=receiver, port=port, num_threads=1, random_seed=0)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)
 
 
-class Engines:
-    """Engine subprocesses; stopped on close(), at exit, and on SIGTERM/SIGINT/SIGHUP of the bench."""
-
-    def __init__(self, log_dir: Path, sync_timeout_s: float) -> None:
-        self.log_dir = log_dir
-        self.env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "DSV4RL_WEIGHT_SYNC_TIMEOUT_S": str(sync_timeout_s),
-        }
-        self.procs: dict[str, tuple[subprocess.Popen, str, Path]] = {}
-        atexit.register(self.close)
-
-    def start(self, name: str, argv: list[str], port: int) -> None:
-        log = self.log_dir / f"{name}.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=ROOT,
-                preexec_fn=_die_with_parent,
-            )
-        self.procs[name] = (proc, f"http://127.0.0.1:{port}", log)
-
-    def wait_ready(self, timeout_s: float) -> dict[str, str]:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        pending = dict(self.procs)
-        while pending:
-            for name, (proc, url, log) in list(pending.items()):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"engine {name} exited ({proc.returncode}):\n{self.tail(log)}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                        del pending[name]
-                except httpx.HTTPError:
-                    pass
-            if pending and time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"engines {sorted(pending)} not healthy after {timeout_s:g} s:\n"
-                    + "\n".join(self.tail(log) for _, _, log in pending.values())
-                )
-            if pending:
-                time.sleep(0.2)
-        return {name: url for name, (_, url, _) in self.procs.items()}
-
-    @staticmethod
-    def tail(log: Path, lines: int = 30) -> str:
-        try:
-            return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return f"(no log at {log})"
-
-    def close(self) -> None:
-        procs, self.procs = list(self.procs.values()), {}
-        for proc, _, _ in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc, _, _ in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-
-
-def _raise_on_signal(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop the engines
-
-
 # ---------------------------------------------------------------------------------------------- measure
-def measure_memcpy(tensors: list[torch.Tensor], repeats: int) -> dict[str, Any]:
-    dst = [torch.empty_like(t) for t in tensors]
-    for d, s in zip(dst, tensors, strict=True):  # first touch: page faults are not bandwidth
-        d.copy_(s)
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for d, s in zip(dst, tensors, strict=True):
-            d.copy_(s)
-        runs.append(time.perf_counter() - start)
-    size = nbytes(tensors)
-    best = min(runs)
-    return {
-        "bytes": size,
-        "tensors": len(tensors),
-        "seconds": best,
-        "median_seconds": statistics.median(runs),
-        "gb_per_s": size / best / 1e9,
-        "runs_seconds": runs,
-        "torch_threads": torch.get_num_threads(),
-    }
-
-
 def measure_sync(
     url: str,
     named: list[tuple[str, torch.Tensor]],
@@ -249,7 +116,6 @@ def measure_sync(
     set_name: str,
     bucket_bytes: int,
     load_format: str | None,
-    naming: str,
     repeats: int,
     timeout_s: float,
 ) -> dict[str, Any]:
@@ -257,7 +123,7 @@ def measure_sync(
     from dsv4rl.rollout.client import EngineClient
     from dsv4rl.sync.weight_sync import WeightSync
 
-    cfg = SyncConfig(bucket_bytes=bucket_bytes, naming=naming, timeout_s=timeout_s)
+    cfg = SyncConfig(bucket_bytes=bucket_bytes, timeout_s=timeout_s)
     client = EngineClient(url, timeout_s=timeout_s, retries=0)
     runs = []
     with WeightSync([client], cfg, "gloo", "127.0.0.1", free_port(), load_format=load_format) as sync:
@@ -268,7 +134,6 @@ def measure_sync(
         "set": set_name,
         "format": load_format or "per_tensor",
         "bucket_bytes": bucket_bytes,
-        "naming": naming,
         "repeats": repeats,
         "bytes": best.bytes,
         "tensors": best.tensors,
@@ -371,19 +236,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     mode = MODES["quick" if args.quick else "full"]
     started = time.monotonic()
-    meta = {
-        "bench": "weight_sync",
-        "mode": "quick" if args.quick else "full",
-        "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        **git_commit(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "backend": "gloo",
-        "sizes": {k: v for k, v in mode.items() if k != "startup_s"},
-    }
+    meta = run_meta(
+        "weight_sync", "quick" if args.quick else "full", {k: v for k, v in mode.items() if k != "startup_s"}
+    )
     with tempfile.TemporaryDirectory(prefix="dsv4rl-bench-") as tmp:
         model_dir = materialize_model(ModelConfig(init_seed=ENGINE_SEED), os.path.join(tmp, "tiny"))
         engines = Engines(Path(tmp), mode["sync_timeout_s"])
@@ -409,16 +264,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             urls = engines.wait_ready(mode["startup_s"])
             memcpy = measure_memcpy([t for _, t in synth_named], mode["memcpy_repeats"])
             syncs = []
-            for set_name, named, url, naming, buckets, repeats in [
-                ("tiny", tiny_named, urls["tiny"], "native", mode["tiny_buckets"], mode["tiny_repeats"]),
-                (
-                    "synthetic",
-                    synth_named,
-                    urls["synthetic"],
-                    "hf",
-                    mode["synth_buckets"],
-                    mode["synth_repeats"],
-                ),
+            for set_name, named, url, buckets, repeats in [
+                ("tiny", tiny_named, urls["tiny"], mode["tiny_buckets"], mode["tiny_repeats"]),
+                ("synthetic", synth_named, urls["synthetic"], mode["synth_buckets"], mode["synth_repeats"]),
             ]:
                 for load_format in (None, FLAT):
                     for bucket_bytes in buckets:
@@ -429,7 +277,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 set_name=set_name,
                                 bucket_bytes=bucket_bytes,
                                 load_format=load_format,
-                                naming=naming,
                                 repeats=repeats,
                                 timeout_s=mode["sync_timeout_s"],
                             )
@@ -442,18 +289,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT})")
-    parser.add_argument("--quick", action="store_true", help="small sizes, one repeat: finishes in < 30 s")
-    args = parser.parse_args(argv)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, _raise_on_signal)
-    result = run(args)
-    print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out} ({result['meta']['wall_seconds']:.1f} s)")
-    return 0
+    return bench_main(
+        __doc__, DEFAULT_OUT, "small sizes, one repeat: finishes in < 30 s", run, print_table, argv
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Smoke test of the weight-sync benchmark: `bench/weight_sync.py --quick` runs and writes its JSON."""
+"""Smoke tests of the benchmarks: `--quick` runs finish and write the JSON the README describes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "weight_sync.py"
+QUANT_BENCH = BENCH.with_name("quant_sync.py")
 
 
 @pytest.mark.slow
@@ -46,3 +47,32 @@ def test_weight_sync_bench_quick(tmp_path: Path) -> None:
     # the small-bucket runs really split the synthetic set
     assert max(s["buckets"] for s in syncs if s["set"] == "synthetic") > 1
     assert "memcpy" in proc.stdout and "GB/s" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quant_sync_bench_quick(tmp_path: Path) -> None:
+    out = tmp_path / "quant_sync.json"
+    proc = subprocess.run(
+        [sys.executable, str(QUANT_BENCH), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["meta"]["mode"] == "quick" and result["memcpy"]["gb_per_s"] > 0
+    raw = result["raw_broadcast"]
+    assert raw["bytes"] == 64 << 20 and raw["gb_per_s"] > 0
+    variants = {s["variant"]: s for s in result["syncs"]}
+    assert set(variants) == {"bucketed", "bucketed_flattened", "per_tensor", "bucketed_fp8_mxfp4"}
+    assert variants["bucketed"]["bytes"] == raw["bytes"] and variants["bucketed"]["buckets"] == 4
+    assert variants["per_tensor"]["buckets"] > 50  # one request per tensor (fused pairs share one)
+    assert variants["bucketed_fp8_mxfp4"]["bytes"] < raw["bytes"] / 3  # quantized on the wire
+    assert [q["mode"] for q in result["quantization"]] == ["bf16", "fp8_rollout", "fp8_mxfp4"]
+    ratios = result["ratios"]
+    assert ratios["bucketed_vs_raw_broadcast"] == pytest.approx(
+        variants["bucketed"]["gb_per_s"] / raw["gb_per_s"]
+    )
+    assert "bucketed_vs_raw_broadcast" in proc.stdout and "quantize on send" in proc.stdout

@@ -110,6 +110,10 @@ def test_plan_dapo_math_all_nodes(supervisor: list[Config]) -> None:
     assert supervisor == []  # nothing started
     nodes = plan["nodes"]
     assert [n["node"] for n in nodes] == [0, 1, 2, 3] and plan["nnodes"] == 4
+    assert (
+        plan["quant"]["name"] == "fp8_rollout"
+        and plan["quant"]["engine_env"]["SGLANG_OPT_FP8_WO_A_GEMM"] == "0"
+    )
     for node in nodes[:2]:
         (trainer,) = node["processes"]
         argv = trainer["argv"]
@@ -129,7 +133,9 @@ def test_plan_dapo_math_all_nodes(supervisor: list[Config]) -> None:
             assert e["argv"][1:3] == ["-m", "sglang.launch_server"]
             assert (_flag(e["argv"], "--tp-size"), _flag(e["argv"], "--ep-size")) == ("4", "4")
             assert _flag(e["argv"], "--host") == "0.0.0.0"
-            assert e["env"]["NCCL_MIN_NCHANNELS"] == "16" and e["env"]["SGLANG_DSV4_FP4_EXPERTS"] == "0"
+            assert e["env"]["NCCL_MIN_NCHANNELS"] == "16" and "SGLANG_DSV4_FP4_EXPERTS" not in e["env"]
+            env = e["env"]  # quant=fp8_rollout's engine environment (quant.engine_env)
+            assert env["SGLANG_DSV4_FP4_DEQUANT"] == "1" and env["SGLANG_OPT_FP8_WO_A_GEMM"] == "0"
             assert "PATH" not in e["env"]  # only what the recipe and the plan set
     assert [e["url"] for e in plan["engines"]] == [
         "http://gpu-a03:30000",
@@ -179,3 +185,39 @@ def test_plan_tiny_arith_table() -> None:
 def test_plan_errors_exit_2(args: list[str], message: str) -> None:
     result = runner.invoke(app, ["plan", *args])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_align_runs_the_align_task_in_its_own_dir_and_prints_the_report(monkeypatch, tmp_path) -> None:
+    """`dsv4rl align --json` prints exactly the report the align task wrote (a fake run here)."""
+    seen: list[tuple[Config, str]] = []
+
+    def run_training(cfg: Config, *, console, task: str) -> int:
+        seen.append((cfg, task))
+        report = {"quant": cfg.quant.name.value, "mean_abs_diff": 0.01, "tokens": 3}
+        (tmp_path / "align" / "fp8_mxfp4").mkdir(parents=True)
+        (tmp_path / "align" / "fp8_mxfp4" / "align.json").write_text(json.dumps(report))
+        return 0
+
+    monkeypatch.setattr(dsv4rl.launcher.run, "run_training", run_training)
+    result = runner.invoke(
+        app, ["align", "recipe=tiny_arith", "quant=fp8_mxfp4", f"run.dir={tmp_path}", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["mean_abs_diff"] == 0.01
+    ((cfg, task),) = seen
+    assert task == "align" and cfg.run.dir == str(tmp_path / "align" / "fp8_mxfp4")
+
+
+def test_align_refuses_a_checkpoint_in_another_format_before_starting(tmp_path, monkeypatch) -> None:
+    from dsv4rl.config.schema import ModelConfig, QuantConfig, QuantMode
+    from dsv4rl.model.tiny import materialize_model
+
+    monkeypatch.chdir(tmp_path)  # the default run.dir is relative
+    path = materialize_model(ModelConfig(), str(tmp_path / "m"), QuantConfig(name=QuantMode.bf16))
+    result = runner.invoke(
+        app,
+        ["align", "recipe=tiny_arith", "quant=fp8_mxfp4", f"model.path={path}", f"model.tokenizer={path}"],
+    )
+    assert result.exit_code == 2
+    assert "holds bf16" in result.output and "set quant=bf16" in result.output
+    assert not (tmp_path / "runs").exists()

@@ -66,17 +66,21 @@ def _split_recipe(args: list[str]) -> tuple[str, list[str]]:
     return recipes[0].removeprefix("recipe="), rest
 
 
+# `recipe=NAME` then Hydra overrides: every command that takes a recipe takes them the same way.
+RecipeArgs = Annotated[
+    list[str] | None,
+    typer.Argument(
+        metavar="recipe=NAME [OVERRIDES]...",
+        help="recipe=NAME then Hydra overrides: key=value, +key=value, group=option "
+        "(e.g. run.dir=runs/demo algo.group_size=4 parallel=cpu_fsdp2 quant=fp8_mxfp4 resume=true).",
+        show_default=False,
+    ),
+]
+
+
 @app.command()
 def train(
-    args: Annotated[
-        list[str] | None,
-        typer.Argument(
-            metavar="recipe=NAME [OVERRIDES]...",
-            help="recipe=NAME then Hydra overrides: key=value, +key=value, group=option "
-            "(e.g. run.dir=runs/demo algo.group_size=4 parallel=cpu_fsdp2 resume=true).",
-            show_default=False,
-        ),
-    ] = None,
+    args: RecipeArgs = None,
     print_config: Annotated[
         bool,
         typer.Option(
@@ -108,16 +112,54 @@ def train(
     raise typer.Exit(code=int(code))
 
 
+@app.command("align")
+def align_command(
+    args: RecipeArgs = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+) -> None:
+    """Measure how far the engines' log-probs are from the trainer's after a (quantized) weight sync.
+
+    Starts the recipe's engines and trainer, pushes the trainer's weights in the `quant` format, samples
+    responses with the engines and recomputes their log-probs with the trainer on the same tokens.
+    With the tiny model the trainer holds the unquantized weights and the engines the quantized ones.
+    Files go to <run.dir>/align/<quant>/ (report: align.json).
+    """
+    from pathlib import Path
+
+    try:
+        recipe, overrides = _split_recipe(list(args or []))
+        cfg = compose(recipe, overrides)
+        cfg.run.dir = str(Path(cfg.run.dir) / "align" / cfg.quant.name.value)
+        validate(cfg, check_paths=True)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+
+    from dsv4rl.launcher.align_view import render_align
+    from dsv4rl.launcher.plan import PortInUse
+    from dsv4rl.launcher.run import RunDirInUse, run_training
+    from dsv4rl.train.align import REPORT_FILE
+
+    console = Console(stderr=True) if as_json else Console()
+    report_path = Path(cfg.run.dir).resolve() / REPORT_FILE
+    report_path.unlink(missing_ok=True)  # never show an earlier run's numbers
+    try:
+        code = run_training(cfg, console=console, task="align")
+    except (ConfigError, PortInUse, RunDirInUse) as exc:
+        raise _fail(str(exc)) from None
+    except KeyboardInterrupt:
+        code = 130
+    if code != 0:
+        raise typer.Exit(code=int(code))
+    report = json.loads(report_path.read_text())
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        render_align(report, console)
+
+
 @app.command("plan")
 def plan_command(
-    args: Annotated[
-        list[str] | None,
-        typer.Argument(
-            metavar="recipe=NAME [OVERRIDES]...",
-            help="recipe=NAME then Hydra overrides, as for `dsv4rl train`.",
-            show_default=False,
-        ),
-    ] = None,
+    args: RecipeArgs = None,
     node_rank: Annotated[
         int | None,
         typer.Option("--node-rank", help="Show this node (default: cluster.node_rank of the recipe)."),

@@ -9,7 +9,6 @@ from dsv4rl.algo.grpo import (
     group_advantages,
     kl_penalty,
     policy_loss,
-    tis_weights,
     token_logprobs,
 )
 from dsv4rl.config.schema import KLEstimator, LossAggregation
@@ -154,13 +153,3 @@ def test_kl_estimators():
     assert torch.isfinite(extreme).all() and extreme.item() == 10.0
     with pytest.raises(ValueError, match="k4"):
         kl_penalty(logp, ref, "k4")
-
-
-def test_tis_weights():
-    old = torch.tensor([LN(0.3), LN(0.1), LN(0.2)], requires_grad=True)
-    rollout = torch.tensor([LN(0.1), LN(0.2), LN(0.2)])
-    w = tis_weights(old, rollout, clip=2.0)
-    torch.testing.assert_close(w, torch.tensor([2.0, 0.5, 1.0]))
-    assert not w.requires_grad
-    with pytest.raises(ValueError, match="clip"):
-        tis_weights(old, rollout, clip=0.0)

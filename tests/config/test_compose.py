@@ -24,10 +24,10 @@ from dsv4rl.config.compose import (
 from dsv4rl.config.schema import (
     CommBackend,
     Config,
+    QuantMode,
     RolloutEngineKind,
     TrainBackend,
     TrainParallelConfig,
-    WeightFormat,
 )
 
 REPO_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -81,8 +81,9 @@ def test_dapo_math_composes_with_reference_run_facts(monkeypatch: pytest.MonkeyP
     assert cfg.comm.backend is CommBackend.nccl
     env = cfg.comm.env
     assert env["NCCL_MIN_NCHANNELS"] == "16" and env["NCCL_P2P_NET_CHUNKSIZE"] == "262144"
-    assert env["SGLANG_DSV4_FP4_EXPERTS"] == "0" and env["HSA_NO_SCRATCH_RECLAIM"] == "1"
-    assert cfg.quant.rollout_weights is WeightFormat.fp8 and cfg.quant.block_size == [128, 128]
+    assert "SGLANG_DSV4_FP4_EXPERTS" not in env and env["HSA_NO_SCRATCH_RECLAIM"] == "1"
+    assert cfg.quant.name is QuantMode.fp8_rollout and cfg.quant.block_size == [128, 128]
+    assert cfg.quant.engine_env == {"SGLANG_DSV4_FP4_DEQUANT": "1", "SGLANG_OPT_FP8_WO_A_GEMM": "0"}
     a = cfg.algo
     assert (a.eps_clip_low, a.eps_clip_high, a.kl_coef) == (0.2, 0.28, 0.0)
     assert a.tis.enabled and a.tis.clip == 2.0 and a.dynamic_sampling.enabled and a.overlong.enabled
@@ -94,7 +95,7 @@ def test_dapo_math_composes_with_reference_run_facts(monkeypatch: pytest.MonkeyP
     )
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas) == (1e-6, 0.1, [0.9, 0.98])
     assert cfg.sync.bucket_bytes == 1 << 30
-    assert cfg.data.path == "../shared/data/dapo_math_17k.parquet" and cfg.reward.grader == "dapo"
+    assert cfg.data.path == "data/dapo_math_17k.parquet" and cfg.reward.grader == "dapo"  # no DSV4RL_DATA_DIR
     assert (cfg.eval.samples_per_problem, cfg.eval.k, cfg.eval.sampling.top_p) == (8, [1, 8], 0.7)
     assert cfg.eval.grader == "math_verify"
     assert (cfg.cluster.nnodes, cfg.cluster.gpus_per_node, cfg.cluster.node_rank) == (4, 8, 0)

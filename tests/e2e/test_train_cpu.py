@@ -80,6 +80,25 @@ def test_tiny_arith_learns(demo_run: Path) -> None:
     # fp32 both sides, cached decoding equal to a full forward: the engine's log-probs are the trainer's.
     assert max(line["logprob_abs_diff"] for line in metrics) < 1e-4
     assert all(line["sync_bytes"] > 0 for line in metrics)
+    # tiny recipes verify every sync: the engine holds what was sent, and scores the probe like the trainer
+    assert all(line["verify_checksum_tensors"] > 150 for line in metrics)
+    assert max(line["verify_probe_abs_diff"] for line in metrics) < 1e-4
+
+
+def test_tiny_arith_learns_with_the_released_weight_format(tmp_path: Path) -> None:
+    """FP8 linears and MXFP4 experts on the wire, into an engine started from such a checkpoint; TIS on."""
+    run_dir = tmp_path / "fp8_mxfp4"
+    train(run_dir, "quant=fp8_mxfp4", "algo.tis.enabled=true")
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    rewards = [line["reward_mean"] for line in metrics]
+    assert len(metrics) == 120 and sum(rewards[-10:]) / 10 >= 0.8, rewards[-10:]
+    # the engine really holds quantized weights: its log-probs differ from the fp32 trainer's, a little
+    diffs = [line["logprob_abs_diff"] for line in metrics]
+    assert 1e-4 < max(diffs) < 0.09
+    assert all(0.0 <= line["tis_clip_fraction"] <= 1.0 for line in metrics)
+    assert all(line["verify_checksum_tensors"] == 252 for line in metrics)  # 155 tensors + 97 scales
+    stored = json.loads((run_dir / "model" / "config.json").read_text())["quantization_config"]
+    assert stored["weight_block_size"] == [128, 128] and stored["scale_fmt"] == "ue8m0"
 
 
 def test_same_seed_same_curve(tmp_path: Path) -> None:

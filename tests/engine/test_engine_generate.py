@@ -92,6 +92,8 @@ def test_schema_errors_are_plain_strings(client, params, message):
         ({"top_k": 0}, "top_k must be -1"),
         ({"max_new_tokens": -1}, "max_new_tokens must be at least 0"),
         ({"n": 0}, "n must be at least 1"),
+        # a key SGLang's schema knows (constrained decoding), refused as unsupported, not as unknown
+        ({"choice": ["yes", "no"]}, "choice (constrained decoding) is not supported"),
     ],
 )
 def test_range_errors_are_message_objects(client, params, message):

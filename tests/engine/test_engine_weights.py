@@ -6,8 +6,9 @@ import pytest
 from engine_helpers import RecordingReceiver, in_thread, wait_until
 
 from dsv4rl.config.schema import ModelConfig
-from dsv4rl.engine.checksum import checksums, combined_checksum
+from dsv4rl.model.native_checkpoint import read_tensors
 from dsv4rl.model.tiny import materialize_model
+from dsv4rl.sync.checksum import checksums, engine_checksum, overall_checksum
 
 UPDATE = {"names": ["embed.weight"], "dtypes": ["float32"], "shapes": [[27, 64]], "flush_cache": False}
 OUTSIDE = "must run between begin_weight_update() and end_weight_update()"
@@ -133,21 +134,60 @@ def test_real_receiver_refuses_before_any_broadcast(client):
     assert unknown.status_code == 400
 
 
-def test_checksums_and_update_from_disk(client, tmp_path):
+def test_checksums_and_update_from_disk(client, model_dir, tmp_path):
+    """Checksums are over the held tensors, in SGLang's response shape; the digests combine as SGLang's."""
     body = client.post("/weights_checker", json={"action": "checksum"}).json()
-    model = client.app.state.engine.model
-    expected = checksums(model.state_dict())
+    expected = checksums(read_tensors(model_dir))  # what the engine started from, as stored
     rank = body["ranks"][0]
     assert body["success"] is True and rank["checksums"] == expected
-    assert body["per_engine_checksum"] == rank["per_gpu_checksum"] == combined_checksum(expected)
+    assert rank["per_gpu_checksum"] == overall_checksum(expected)
+    assert body["per_engine_checksum"] == engine_checksum([rank["per_gpu_checksum"]])
+    assert rank["parallelism_info"] == [
+        {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+         "rank": 0, "size": 1}
+    ]  # fmt: skip
     assert "layers.1.ffn.experts.3.w2.weight" in expected and "layers.0.ffn.gate.tid2eid" in expected
+    skipped = client.post("/weights_checker", json={"action": "checksum", "skip_tensor_list": ["experts"]})
+    kept = skipped.json()["ranks"][0]["checksums"]
+    assert (
+        kept and not any("experts" in n for n in kept) and "layers.1.ffn.shared_experts.w1.weight" not in kept
+    )
     assert client.post("/weights_checker", json={"action": "snapshot"}).json()["success"] is True
     assert client.post("/weights_checker", json={"action": "compare"}).json()["success"] is True
 
     other = materialize_model(ModelConfig(init_seed=1), str(tmp_path / "other"))
+    client.post("/weights_checker", json={"action": "snapshot"})
     response = client.post("/update_weights_from_disk", json={"model_path": other, "weight_version": "disk"})
     assert response.status_code == 200 and response.json()["success"] is True
     after = client.post("/weights_checker", json={"action": "checksum"}).json()
-    assert after["per_engine_checksum"] != body["per_engine_checksum"]
+    assert after["ranks"][0]["checksums"] == checksums(read_tensors(other))
     assert client.post("/weights_checker", json={"action": "compare"}).status_code == 400
     assert client.get("/model_info").json()["weight_version"] == "disk"
+    unknown = client.post("/weights_checker", json={"action": "frobnicate"})
+    assert unknown.status_code == 400 and "Unsupported action" in unknown.json()["message"]
+
+
+def test_update_from_disk_refuses_another_format(client, tmp_path):
+    from dsv4rl.config.schema import QuantConfig, QuantMode
+
+    before = client.post("/weights_checker", json={"action": "checksum"}).json()["per_engine_checksum"]
+    fp8 = materialize_model(
+        ModelConfig(init_seed=1), str(tmp_path / "fp8"), QuantConfig(name=QuantMode.fp8_mxfp4)
+    )
+    response = client.post("/update_weights_from_disk", json={"model_path": fp8})
+    assert response.status_code == 400 and "the engine holds float32" in response.json()["message"]
+    assert (
+        client.post("/weights_checker", json={"action": "checksum"}).json()["per_engine_checksum"] == before
+    )
+
+
+def test_reset_tensors_then_compare_catches_every_tensor(client):
+    """SGLang's way to check a full sync: snapshot, reset, (sync), compare. Without the sync, all differ."""
+    assert client.post("/weights_checker", json={"action": "snapshot"}).json()["success"] is True
+    reset = client.post("/weights_checker", json={"action": "reset_tensors", "skip_tensor_list": ["tid2eid"]})
+    assert reset.json()["success"] is True
+    compare = client.post("/weights_checker", json={"action": "compare"})
+    assert compare.status_code == 400 and "tensors differ from the snapshot" in compare.json()["message"]
+    held = client.app.state.engine.weights.state()
+    assert "tid2eid" not in compare.json()["message"]
+    assert len(held) > 100

@@ -284,7 +284,7 @@ def test_run_training_writes_config_and_runs_the_plan(tmp_path):
     port = free_port()
     seen = {}
 
-    def plan(c: Config, run_dir: Path):
+    def plan(c: Config, run_dir: Path, task: str = "train"):
         seen["run_dir"] = run_dir
         return [engine_spec(run_dir, port), trainer_spec(run_dir, steps=2)]
 
@@ -510,7 +510,7 @@ def test_run_training_on_a_rollout_node_stops_at_done(tmp_path):
     run_dir = (tmp_path / "run").resolve()
     console, out = capture()
     thread = in_watch_loop(out, lambda: write_marker(run_dir / "DONE", "finished"))
-    code = run_training(cfg, console=console, plan_builder=lambda c, d: [engine_spec(d, c.engine.port)])
+    code = run_training(cfg, console=console, plan_builder=lambda c, d, **_: [engine_spec(d, c.engine.port)])
     thread.join()
     assert code == 0, out.getvalue()
     assert (run_dir / "config-node1.yaml").is_file() and not (run_dir / "config.yaml").exists()
@@ -525,7 +525,7 @@ def test_run_training_on_node_0_waits_for_the_rollout_node(tmp_path):
     write_marker(run_dir / "DONE", "finished")  # an earlier run's: removed before anything starts
     console, out = capture()
     with remote_engine(cfg.engine.port, healthy_after_s=0.3):
-        code = run_training(cfg, console=console, plan_builder=lambda c, d: [trainer_spec(d, steps=2)])
+        code = run_training(cfg, console=console, plan_builder=lambda c, d, **_: [trainer_spec(d, steps=2)])
     assert code == 0, out.getvalue()
     text = out.getvalue()
     assert "1 on other nodes" in text and "step 2/2" in text

@@ -1,4 +1,4 @@
-"""An in-process SGLang test double: the response and error shapes of sglang-contract.md §2-§6."""
+"""An in-process SGLang test double: the response and error shapes of SGLang 0.5.23's HTTP server."""
 
 from __future__ import annotations
 

@@ -11,7 +11,11 @@ import torch
 import torch.distributed as dist
 
 from dsv4rl.sync.buckets import flatten_bucket
-from dsv4rl.sync.process_group import destroy_custom_process_group, init_custom_process_group
+from dsv4rl.sync.process_group import (
+    destroy_custom_process_group,
+    init_custom_process_group,
+    transport_view,
+)
 
 port, group, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 tensors = torch.load(path, weights_only=True)
@@ -23,7 +27,7 @@ for line in sys.stdin:
     command, *args = line.split()
     if command == "send":
         for _, tensor in tensors[args[0]]:
-            dist.broadcast(tensor.contiguous(), src=0, group=pg)
+            dist.broadcast(transport_view(tensor.contiguous(), "gloo"), src=0, group=pg)
     elif command == "sendflat":
         dist.broadcast(flatten_bucket(tensors[args[0]]), src=0, group=pg)
     elif command == "exit":

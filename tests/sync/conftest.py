@@ -2,34 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from sync_helpers import ENGINE_SEED, ENGINE_TIMEOUT_S, free_port
 
-from dsv4rl.config.schema import ModelConfig
+from dsv4rl.config.schema import ModelConfig, QuantConfig, QuantMode
 from dsv4rl.model.tiny import materialize_model
 
 ENGINES = 2
 
 
-@pytest.fixture(scope="module")
-def engine_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    """Two real reference engines (`python -m dsv4rl.engine`) serving the tiny model from ENGINE_SEED."""
-    root = tmp_path_factory.mktemp("sync_engine")
-    model_dir = materialize_model(ModelConfig(init_seed=ENGINE_SEED), str(root / "tiny"))
+@contextlib.contextmanager
+def running_engines(root: Path, quants: list[QuantMode]) -> Iterator[list[str]]:
+    """One real reference engine (`python -m dsv4rl.engine`) per entry, each serving the tiny model from
+    ENGINE_SEED as a native checkpoint in that quant mode; yields their URLs."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DSV4RL_WEIGHT_SYNC_TIMEOUT_S": str(ENGINE_TIMEOUT_S)}
     engines = []
     try:
-        for index in range(ENGINES):
+        for index, quant in enumerate(quants):
+            model_dir = root / f"tiny-{quant.value}"
+            if not model_dir.exists():
+                materialize_model(ModelConfig(init_seed=ENGINE_SEED), str(model_dir), QuantConfig(name=quant))
             port, log = free_port(), root / f"engine{index}.log"
-            command = [sys.executable, "-m", "dsv4rl.engine", "--model-path", model_dir, "--port", str(port),
-                       "--num-threads", "1", "--random-seed", "0", "--log-level", "warning"]  # fmt: skip
+            command = [sys.executable, "-m", "dsv4rl.engine", "--model-path", str(model_dir),
+                       "--port", str(port), "--num-threads", "1", "--random-seed", "0",
+                       "--log-level", "warning"]  # fmt: skip
             with open(log, "w") as out:
                 process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
             engines.append((process, f"http://127.0.0.1:{port}", log))
@@ -52,8 +57,23 @@ def engine_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]
 
 
 @pytest.fixture(scope="module")
+def engine_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """Two engines serving the unquantized (quant=none) tiny model."""
+    with running_engines(tmp_path_factory.mktemp("sync_engine"), [QuantMode.none] * ENGINES) as urls:
+        yield urls
+
+
+@pytest.fixture(scope="module")
 def engine_url(engine_urls: list[str]) -> str:
     return engine_urls[0]
+
+
+@pytest.fixture(scope="module")
+def quantized_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[QuantMode, str]]:
+    """One engine per quant mode, each started from a checkpoint in that format."""
+    modes = list(QuantMode)
+    with running_engines(tmp_path_factory.mktemp("quant_engines"), modes) as urls:
+        yield dict(zip(modes, urls, strict=True))
 
 
 def _healthy(url: str) -> bool:

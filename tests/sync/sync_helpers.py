@@ -52,3 +52,24 @@ def trainer_model(seed: int) -> torch.nn.Module:
         if tensor.dtype.is_floating_point and tensor.numel() and bool((tensor == tensor.flatten()[0]).all()):
             tensor.add_(0.05 * torch.randn(tensor.shape, generator=generator))
     return model
+
+
+def wire_tensors(model: torch.nn.Module, quant: str = "none") -> dict[str, torch.Tensor]:
+    """What an engine of `quant` holds after a sync of `model`: its native tensors in the wire format."""
+    from dsv4rl.model.naming import state_dict_to_native
+    from dsv4rl.quant.formats import WireFormat
+
+    wire = WireFormat(quant)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict_to_native(model.state_dict()):
+        out.update(wire.encode(name, tensor.detach()))
+    return out
+
+
+def quantized_copy(model: torch.nn.Module, quant: str, directory: Path) -> torch.nn.Module:
+    """`model` as an engine of `quant` computes with it: written in that format and dequantized again."""
+    from dsv4rl.model.native_checkpoint import load_native_model, write_native_checkpoint
+    from dsv4rl.quant.formats import WireFormat
+
+    write_native_checkpoint(model, directory, WireFormat(quant))
+    return load_native_model(directory)

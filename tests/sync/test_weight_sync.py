@@ -1,9 +1,9 @@
-"""End to end: WeightSync pushes a trainer model into a real reference engine over gloo.
+"""End to end: WeightSync pushes a trainer model into real reference engines over gloo.
 
-The engine (`python -m dsv4rl.engine`, its /update_weights_from_distributed calling the real
-WeightReceiver) starts from seed ENGINE_SEED; the trainer holds a different model. After a push the
-engine's tensors equal the trainer's bit for bit (sha256 of the raw bytes, native names, incl. the int64
-tid2eid tables and e_score_correction_bias) and both compute the same logprobs.
+The engines (`python -m dsv4rl.engine`, their /update_weights_from_distributed calling the real
+WeightReceiver) start from seed ENGINE_SEED; the trainer holds a different model. After a push an engine
+holds exactly what the wire format makes of the trainer's weights (sha256 of the raw bytes, native names,
+incl. the int64 tid2eid tables, FP8 bytes and scales), and it computes the log-probs of those weights.
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ import time
 import httpx
 import pytest
 import torch
-from sync_helpers import TRAINER_SEED, free_port, trainer_model
+from sync_helpers import TRAINER_SEED, free_port, quantized_copy, trainer_model, wire_tensors
 
-from dsv4rl.config.schema import SyncConfig
-from dsv4rl.engine.checksum import checksums
+from dsv4rl.config.schema import QuantConfig, QuantMode, RolloutEngineKind, SyncConfig
 from dsv4rl.rollout.client import EngineClient
+from dsv4rl.sync.checksum import checksums
+from dsv4rl.sync.served_format import check_served_formats
 from dsv4rl.sync.weight_sync import SyncStats, WeightSync, WeightSyncError
 
-TOKENS = [0, 5, 9, 13, 4, 22, 7, 7, 15, 3, 11, 20, 6, 18, 2, 9, 1, 14, 8, 25, 10, 12, 5, 17]
+TOKENS = [0, 5, 9, 13, 4, 16, 7, 7, 15, 3, 11, 19, 6, 18, 2, 9, 1, 14, 8, 17, 10, 12, 5, 17]
 
 
 def engine_checksums(url: str) -> dict[str, str]:
@@ -33,7 +34,7 @@ def engine_logprobs(url: str) -> torch.Tensor:
     async def go() -> dict:
         client = EngineClient(url, timeout_s=60)
         try:
-            return await client.generate(TOKENS, {"max_new_tokens": 1, "temperature": 0.0}, True, 0)
+            return await client.generate(TOKENS, {"max_new_tokens": 0}, True, 0)
         finally:
             await client.aclose()
 
@@ -56,13 +57,14 @@ def make_sync(url: str | list[str], bucket_bytes: int, **kwargs) -> WeightSync:
     return WeightSync(clients, cfg, "gloo", "127.0.0.1", free_port(), **kwargs)
 
 
-def assert_engine_holds(url: str, model: torch.nn.Module) -> None:
-    expected = checksums(model.state_dict())
+def assert_engine_holds(url: str, model: torch.nn.Module, quant: str = "none", tmp_path=None) -> None:
+    expected = checksums(wire_tensors(model, quant))
     got = engine_checksums(url)
     assert got.keys() == expected.keys()
     differing = sorted(name for name in expected if got[name] != expected[name])
     assert not differing, f"{len(differing)} tensors differ after the sync: {differing[:8]}"
-    assert (engine_logprobs(url) - trainer_logprobs(model)).abs().mean().item() < 1e-4
+    reference = model if quant == "none" else quantized_copy(model, quant, tmp_path / f"expected-{quant}")
+    assert (engine_logprobs(url) - trainer_logprobs(reference)).abs().max().item() < 1e-4
 
 
 def version_of(url: str) -> str:
@@ -72,7 +74,7 @@ def version_of(url: str) -> str:
 def test_push_many_buckets_native_names(engine_url: str) -> None:
     model = trainer_model(TRAINER_SEED)
     before = engine_checksums(engine_url)
-    ours = checksums(model.state_dict())
+    ours = checksums(wire_tensors(model))
     assert all(before[name] != ours[name] for name in ours), (
         "every tensor must change, or the test proves little"
     )
@@ -81,12 +83,14 @@ def test_push_many_buckets_native_names(engine_url: str) -> None:
     sync = make_sync(engine_url, bucket_bytes=32 * 1024)
     try:
         sync.connect()
-        stats = sync.push(model.state_dict().items(), "v1")
+        stats = sync.push(model.state_dict().items(), "v1", record_checksums=True)
     finally:
         sync.close()
     assert isinstance(stats, SyncStats)
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     assert stats.bytes == total and stats.buckets > 20 and stats.tensors > 89 and stats.gb_per_s > 0
+    assert stats.checksums == ours
+    assert stats.transfer_seconds > 0 and stats.control_seconds > 0
     assert version_of(engine_url) == "v1"
     assert_engine_holds(engine_url, model)
 
@@ -103,11 +107,11 @@ def test_push_flattened_buckets_to_two_engines(engine_urls: list[str]) -> None:
         assert_engine_holds(url, model)
 
 
-def test_push_transformers_names_in_one_bucket(engine_url: str) -> None:
+def test_push_in_one_bucket(engine_url: str) -> None:
     model = trainer_model(TRAINER_SEED + 2)
-    with make_sync(engine_url, bucket_bytes=1 << 30, cfg={"naming": "hf"}) as sync:
-        stats = sync.push(model.state_dict().items(), "v3-hf")
-    assert stats.buckets == 1 and stats.tensors == len(model.state_dict())
+    with make_sync(engine_url, bucket_bytes=1 << 30) as sync:
+        stats = sync.push(model.state_dict().items(), "v3-one")
+    assert stats.buckets == 1 and stats.tensors == len(wire_tensors(model))
     assert_engine_holds(engine_url, model)
 
 
@@ -120,7 +124,7 @@ def test_refused_bucket_fails_fast_then_reconnect_works(engine_url: str) -> None
     try:
         sync.connect()
         start = time.monotonic()
-        with pytest.raises(WeightSyncError, match=r"(?s)engine http://127\.0\.0\.1:\d+.*shape \[65\]"):
+        with pytest.raises(WeightSyncError, match=r"(?s)engine http://127\.0\.0\.1:\d+.*float32 \[65\]"):
             sync.push(bad, "never")
         assert time.monotonic() - start < 15, "a refused bucket must fail long before the group timeout"
         with pytest.raises(WeightSyncError, match="unusable"):
@@ -136,13 +140,57 @@ def test_refused_bucket_fails_fast_then_reconnect_works(engine_url: str) -> None
     assert_engine_holds(engine_url, model)
 
 
+@pytest.mark.parametrize("quant", [QuantMode.bf16, QuantMode.fp8_rollout, QuantMode.fp8_mxfp4])
+def test_quantized_push_into_an_engine_serving_that_format(quantized_engines, quant, tmp_path) -> None:
+    """The wire format comes from what the engine serves; the engine then holds exactly the quantized
+    weights (bytes and scales) and computes with their dequantized values."""
+    url = quantized_engines[quant]
+    model = trainer_model(TRAINER_SEED + 4)
+    loop = asyncio.new_event_loop()
+    sync = make_sync(url, bucket_bytes=16 * 1024)
+    try:
+        sync.connect()
+        sync.wire_format = check_served_formats(
+            sync.clients, QuantConfig(name=quant), RolloutEngineKind.reference, {}, "/nonexistent", loop
+        )
+        stats = sync.push(model.state_dict().items(), f"v-{quant.value}", record_checksums=True)
+    finally:
+        sync.close()
+        loop.close()
+    assert stats.checksums == checksums(wire_tensors(model, quant.value))
+    if quant != QuantMode.bf16:
+        assert any(n.endswith(".scale") for n in stats.checksums)
+    assert_engine_holds(url, model, quant.value, tmp_path)
+
+
+def test_a_format_the_engine_does_not_hold_is_refused_before_any_byte(quantized_engines) -> None:
+    url = quantized_engines[QuantMode.fp8_mxfp4]
+    before = engine_checksums(url)
+    loop = asyncio.new_event_loop()
+    sync = make_sync(url, bucket_bytes=1 << 30)
+    try:
+        sync.connect()
+        with pytest.raises(WeightSyncError, match=r"serves fp8_mxfp4 .* but the recipe sends quant=none"):
+            check_served_formats(
+                sync.clients, QuantConfig(), RolloutEngineKind.reference, {}, "/nonexistent", loop
+            )
+        # Pushing anyway (no wire format): refused on the first tensor, naming it and both formats.
+        pattern = r"embed\.weight: the engine holds bfloat16 \[27, 64\].*fp8_mxfp4.*sends float32 \[27, 64\]"
+        with pytest.raises(WeightSyncError, match=pattern):
+            sync.push(trainer_model(TRAINER_SEED).state_dict().items(), "never")
+    finally:
+        sync.close()
+        loop.close()
+    assert engine_checksums(url) == before  # nothing written
+    assert version_of(url) != "never"
+
+
 def test_configuration_errors() -> None:
     def build(backend="gloo", **cfg):
         return WeightSync([EngineClient("http://127.0.0.1:1")], SyncConfig(**cfg), backend, "127.0.0.1", 1)
 
     for kwargs, message in [
         ({"backend": "mpi"}, "choose from"),
-        ({"naming": "megatron"}, "sync.naming"),
         ({"pause_mode": "later"}, "sync.pause_mode"),
         ({"bucket_bytes": 0}, "bucket_bytes"),
         ({"timeout_s": 0}, "timeout_s"),

@@ -92,7 +92,7 @@ def main() -> None:
     res["yield_counts"] = counts
     del engine
 
-    # 3. every feature on: 2 updates, micro-batches of 3, KL to a reference, entropy bonus, TIS
+    # 3. every feature on: 2 updates, micro-batches of 3, KL to a reference, entropy bonus, TIS, MIS
     # Adam eps 1e-4: Adam's sign-like update of near-zero gradients would amplify float noise
     # (summation order differs with the world size) far beyond 1e-5; grad_norm checks the scale.
     full = config(
@@ -104,6 +104,8 @@ def main() -> None:
         optim__grad_clip=0.5,
     )
     full.algo.tis.enabled = True
+    full.algo.mis.enabled = True  # the batches' rollout log-probs are -1..-2, the model's about -3.3:
+    full.algo.mis.low, full.algo.mis.high = 0.15, 10.0  # these bounds drop some tokens, not all
     engine = FSDPTrainEngine(full, str(model_dir))
     metrics = []
     for step in range(2):

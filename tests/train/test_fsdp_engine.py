@@ -104,9 +104,12 @@ def test_world2_update_equals_world1(results):
     moved = max((w1[k].double() - results[1]["initial_weights"][k].double()).abs().max().item() for k in w1)
     assert moved > 1e-4  # the comparison is not vacuous
     for m1, m2 in zip(results[1]["full_metrics"], results[2]["full_metrics"], strict=True):
-        for key in ("loss", "grad_norm", "kl", "entropy", "clipfrac", "lr", "logprob_abs_diff"):
+        keys = ("loss", "grad_norm", "kl", "entropy", "clipfrac", "lr", "logprob_abs_diff",
+                "tis_clip_fraction", "mis_masked_fraction")  # fmt: skip
+        for key in keys:
             assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
     first, second = results[1]["full_metrics"]
+    assert 0.0 < first["mis_masked_fraction"] < 1.0 and first["tis_clip_fraction"] == 0.0
     # warmup over 4 optimizer steps, 2 per train_step; lr reported is the last update's
     assert first["lr"] == pytest.approx(5e-4) and second["lr"] == pytest.approx(1e-3)
     assert first["grad_norm"] > 0.5  # clipping was active

@@ -1,6 +1,8 @@
-"""GRPO maths: group-relative advantages, token log-probs, the clipped policy loss, KL and TIS.
+"""GRPO maths: group-relative advantages, token log-probs, the clipped policy loss and KL.
 
-Conventions (see .plan/INTERFACES.md): for `input_ids [B, T]`, per-token tensors are `[B, T-1]` and
+The train-vs-rollout mismatch corrections (TIS, MIS) live in `dsv4rl.algo.mismatch`.
+
+Conventions: for `input_ids [B, T]`, per-token tensors are `[B, T-1]` and
 position t scores the target `input_ids[:, t+1]`; `loss_mask` is 1.0 on response tokens. Everything is
 computed in float32 whatever the logits' dtype.
 """
@@ -153,15 +155,3 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str | Enum = "
         neg = (-log_ratio).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         return (torch.exp(neg) - neg - 1.0).clamp(-10.0, 10.0)
     raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {list(KL_ESTIMATORS)}")
-
-
-def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, clip: float) -> Tensor:
-    """Truncated importance sampling: min(exp(old - rollout), clip), detached.
-
-    Corrects for the rollout engine sampling from a slightly different distribution than the trainer
-    computes (`old` = trainer log-probs of the sampled tokens before the update).
-    """
-    if clip <= 0:
-        raise ValueError(f"TIS clip must be > 0 (algo.tis.clip), got {clip}")
-    log_ratio = (old_logprobs.float() - rollout_logprobs.float()).clamp(max=_MAX_LOG_RATIO)
-    return torch.exp(log_ratio).clamp(max=clip).detach()

@@ -51,11 +51,6 @@ def check_built(cfg: Config, add: Add) -> None:
             "parallel.train.backend=megatron: the Megatron-core train engine is not built yet; only fsdp "
             "trains (`dsv4rl plan` and `--cfg` still show the Megatron layout)"
         )
-    if cfg.quant.rollout_weights.value == "fp8" or cfg.quant.expert_weights.value in ("fp8", "fp4"):
-        add(
-            "quant: FP8/FP4 weights on the wire are not built yet (the sync sends the trainer's dtype); "
-            "use quant=none"
-        )
 
 
 def check_paths(cfg: Config, add: Add) -> None:

@@ -12,9 +12,7 @@ from dsv4rl.config.schema import LAYER_TYPES, MLP_TYPES, Config, RolloutEngineKi
 
 GRADERS = ("arith", "dapo", "boxed", "math_verify")
 PAUSE_MODES = ("abort", "retract", "in_place")
-SYNC_NAMINGS = ("native", "hf")
 OPTIMIZERS = ("adam", "adamw")
-SCALE_FORMATS = ("ue8m0", "fp32")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -48,6 +46,11 @@ def check_algo(cfg: Config, add: Add) -> None:
         add(f"algo.kl_coef must be >= 0 (got {a.kl_coef})")
     if a.tis.clip <= 0:
         add(f"algo.tis.clip must be > 0 (got {a.tis.clip})")
+    if not 0.0 < a.mis.low <= 1.0 <= a.mis.high:
+        add(
+            f"algo.mis.low and high must satisfy 0 < low <= 1 <= high (got {a.mis.low}, {a.mis.high}): MIS "
+            "keeps tokens whose train/rollout ratio lies in [low, high]"
+        )
     if a.dynamic_sampling.max_oversample_factor < 1:
         add(
             "algo.dynamic_sampling.max_oversample_factor must be >= 1 "
@@ -197,7 +200,7 @@ def check_data_reward_eval(cfg: Config, add: Add) -> None:
 
 
 def check_run(cfg: Config, add: Add) -> None:
-    t, s, q, eng = cfg.train, cfg.sync, cfg.quant, cfg.engine
+    t, s, eng = cfg.train, cfg.sync, cfg.engine
     if t.steps < 1:
         add(f"train.steps must be >= 1 (got {t.steps})")
     if t.micro_batch_size < 1:
@@ -212,16 +215,10 @@ def check_run(cfg: Config, add: Add) -> None:
         add(f"sync.bucket_bytes must be > 0 (got {s.bucket_bytes})")
     if s.pause_mode not in PAUSE_MODES:
         add(f"sync.pause_mode={s.pause_mode!r} is unknown; choose one of {', '.join(PAUSE_MODES)}")
-    if s.naming not in SYNC_NAMINGS:
-        add(f"sync.naming={s.naming!r} is unknown; choose one of {', '.join(SYNC_NAMINGS)}")
     if s.timeout_s <= 0:
         add(f"sync.timeout_s must be > 0 (got {s.timeout_s})")
     if not s.group_name:
         add("sync.group_name must not be empty")
-    if len(q.block_size) != 2 or any(b < 1 for b in q.block_size):
-        add(f"quant.block_size must be two positive sizes (got {list(q.block_size)})")
-    if q.scale_fmt not in SCALE_FORMATS:
-        add(f"quant.scale_fmt={q.scale_fmt!r} is unknown; choose one of {', '.join(SCALE_FORMATS)}")
     if eng.max_batch_size < 1 or eng.max_concurrency < 1:
         add("engine.max_batch_size and engine.max_concurrency must be >= 1")
     if eng.retries < 0:
@@ -230,3 +227,14 @@ def check_run(cfg: Config, add: Add) -> None:
         add("engine.startup_timeout_s and engine.request_timeout_s must be > 0")
     if not cfg.run.dir:
         add("run.dir must not be empty")
+    a = cfg.align
+    if a.prompts < 1 or a.samples_per_prompt < 1 or a.worst_tokens < 0:
+        add(
+            "align.prompts and align.samples_per_prompt must be >= 1 and align.worst_tokens >= 0 "
+            f"(got {a.prompts}, {a.samples_per_prompt}, {a.worst_tokens})"
+        )
+    if a.max_new_tokens is not None and a.max_new_tokens < 1:
+        add(
+            "align.max_new_tokens must be >= 1, or null for algo.sampling.max_new_tokens "
+            f"(got {a.max_new_tokens})"
+        )

@@ -52,7 +52,7 @@ ADMIN_PATHS = frozenset(
 def check_auth(
     path: str, authorization: str | None, api_key: str | None, admin_key: str | None
 ) -> int | None:
-    """None when allowed, else 401 or 403 (contract §2)."""
+    """None when allowed, else 401 or 403 (SGLang's `srt/utils/auth.py`)."""
     if path.startswith(("/health", "/ready", "/metrics")):
         return None
     token = None

@@ -1,4 +1,5 @@
-"""The /generate request schema and response shape of SGLang 0.5.23 (contract §4), without HTTP.
+"""The /generate request schema and response shape of SGLang 0.5.23 (`srt/managers/io_struct.py`,
+`sglang/api/v1/api_types.py`), without HTTP.
 
 Two error kinds mirror SGLang's: `ContractError` (schema violations: unknown sampling key, wrong JSON
 type, malformed input) becomes 400 {"error": "<string>"}; `RangeError` (a value out of range, an input
@@ -45,6 +46,7 @@ SAMPLING_KEYS: dict[str, str] = {
     "regex": "str",
     "ebnf": "str",
     "structural_tag": "str",
+    "choice": "str_or_list",
     "ignore_eos": "bool",
     "skip_special_tokens": "bool",
     "spaces_between_special_tokens": "bool",
@@ -56,7 +58,7 @@ SAMPLING_KEYS: dict[str, str] = {
     "beam_width": "i64",
     "watermark": "any",
 }
-_UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag")
+_UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag", "choice")
 
 
 def _describe(value: Any) -> str:

@@ -1,4 +1,4 @@
-"""The reference engine's HTTP server: SGLang 0.5.23's protocol subset (contract §2-§6, §9) on FastAPI.
+"""The reference engine's HTTP server: SGLang 0.5.23's protocol on FastAPI.
 
 `create_app(model_path, ...)` loads the model and tokenizer and returns the app; `main(argv)` serves it
 with uvicorn. Weight-update endpoints live in `dsv4rl.engine.weight_routes`.
@@ -28,6 +28,15 @@ from dsv4rl.engine.generator import Generator, GenRequest
 from dsv4rl.engine.http_util import AbortBody, BadRequest, PauseBody, check_auth, read_body
 from dsv4rl.engine.protocol import ContractError, RangeError, build_response, parse_generate
 from dsv4rl.engine.sampling import SamplingParams
+from dsv4rl.engine.weight_store import DeepseekWeights
+from dsv4rl.model.native_checkpoint import (
+    CheckpointError,
+    block_size,
+    checkpoint_format,
+    is_native_checkpoint,
+    load_native_checkpoint,
+    read_config,
+)
 
 log = logging.getLogger("dsv4rl.engine")
 VERSION = "0.5.23"
@@ -65,17 +74,15 @@ class Engine:
     """Everything a request handler needs: model, tokenizer, generator, status and the weight session."""
 
     def __init__(self, args: ServerArgs, receiver: Any = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.args = args
         if args.random_seed is None:
             args.random_seed = random.randint(0, 2**30)
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
-        dtype: Any = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            args.model_path, dtype=dtype, attn_implementation="eager"
-        ).eval()
+        # The forward runs in float32 on the dequantized weights ("auto"), or in the dtype asked for.
+        dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
+        self.model, stored = load_native_checkpoint(args.model_path, dtype)
+        self.weights = DeepseekWeights(self.model, stored, *served_format(args.model_path))
         self.tokenizer = None
         if not args.skip_tokenizer_init:
             from transformers import AutoTokenizer
@@ -105,11 +112,11 @@ class Engine:
         return list(self.tokenizer.encode(text))
 
     def get_receiver(self) -> Any:
-        """The weight receiver, built on first use (its module belongs to the sync area)."""
+        """The weight receiver, built on first use (it needs torch.distributed)."""
         if self.receiver is None:
             from dsv4rl.engine.weight_receiver import WeightReceiver
 
-            self.receiver = WeightReceiver(self.model)
+            self.receiver = WeightReceiver(self.weights)
         return self.receiver
 
     def warmup(self) -> None:
@@ -193,6 +200,16 @@ class Engine:
         for key in ("api_key", "admin_api_key"):
             info[key] = None if info[key] is None else "***"
         return info
+
+
+def served_format(model_path: str) -> tuple[tuple[int, int], str]:
+    """(FP8 block size, a description of the format) of the checkpoint the engine starts from."""
+    if not is_native_checkpoint(model_path):
+        return block_size(read_config(model_path)), "a transformers checkpoint"
+    try:
+        return block_size(read_config(model_path)), checkpoint_format(model_path).describe()
+    except CheckpointError as error:
+        return block_size(read_config(model_path)), str(error)
 
 
 def create_app(model_path: str, *, receiver: Any = None, **kwargs: Any) -> FastAPI:

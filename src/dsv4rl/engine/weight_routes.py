@@ -1,4 +1,4 @@
-"""Weight-update endpoints of the reference engine (contract §5, §9).
+"""Weight-update endpoints of the reference engine, as SGLang 0.5.23's `srt/entrypoints/http_server.py`.
 
 Session rules are enforced here, BEFORE the receiver is touched: an update outside a
 begin/end session is refused without joining any broadcast. Blocking receiver calls run in a worker
@@ -12,11 +12,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from dsv4rl.engine.checksum import checksums, combined_checksum
 from dsv4rl.engine.http_util import Body, read_body
+from dsv4rl.sync.checksum import checksums, engine_checksum, overall_checksum
 
 if TYPE_CHECKING:
     from dsv4rl.engine.server import Engine
@@ -83,7 +84,16 @@ class VersionBody(Body):
 
 class CheckerBody(Body):
     action: str = "checksum"
-    skip_tensor_list: list[str] | None = None
+    allow_quant_error: bool = False  # the held tensors are compared exactly, so there is no quant error
+    skip_tensor_list: list[str] | None = None  # substrings, as in SGLang
+    selector: str = "all"
+
+
+# One TP rank, no DP/PP: the shape SGLang gives every rank's entry.
+PARALLELISM_INFO = [
+    {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+     "rank": 0, "size": 1}
+]  # fmt: skip
 
 
 def result(success: bool, message: str, **extra: Any) -> JSONResponse:
@@ -113,8 +123,8 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
                 return True
 
         if not await asyncio.to_thread(run):
-            return result(False, "a weight-update session is already open")
-        return result(True, "Weight update session started.")
+            return result(False, "a weight-update session is already open; call end_weight_update() first")
+        return result(True, "Success")
 
     @app.post("/end_weight_update")
     async def end_weight_update(request: Request) -> JSONResponse:
@@ -127,7 +137,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
 
         if not await asyncio.to_thread(run):
             return result(False, "no weight-update session is open; call begin_weight_update() first")
-        return result(True, "Weight update session ended.")
+        return result(True, "Success")
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
@@ -211,11 +221,21 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
             generator.abort(abort_all=True)
 
         def run() -> None:
-            from transformers import AutoModelForCausalLM
+            from dsv4rl.model.native_checkpoint import load_native_checkpoint
 
-            source = AutoModelForCausalLM.from_pretrained(body.model_path, dtype=engine.model.dtype)
+            _, stored = load_native_checkpoint(body.model_path, engine.model.dtype)
+            held = engine.weights
+            names = sorted(held.state())
+            missing = sorted(set(names) - stored.keys())
+            if missing:
+                raise ValueError(
+                    f"the checkpoint lacks {len(missing)} tensors the engine holds: {missing[:5]}"
+                )
+            tensors = {name: stored[name] for name in names}
+            held.plan(names, [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+                      [list(t.shape) for t in tensors.values()])  # fmt: skip
             with generator.exclusive():
-                engine.model.load_state_dict(source.state_dict(), strict=True)
+                held.commit(tensors)
                 if body.weight_version is not None:
                     generator.weight_version = body.weight_version
 
@@ -255,38 +275,54 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.api_route("/weights_checker", methods=["GET", "POST"])
     async def weights_checker(request: Request) -> JSONResponse:
+        """SGLang's four actions over the held tensors (native names, held dtypes; sha256 per tensor)."""
         body = await read_body(request, CheckerBody)
-        if body.action not in ("checksum", "snapshot", "compare"):
-            return result(
-                False, f"weights_checker action {body.action!r} is not supported by the reference engine"
-            )
-        skip = set(body.skip_tensor_list or [])
+        skip = list(body.skip_tensor_list or [])
+        held = engine.weights
 
-        def compute() -> dict[str, str]:
-            with generator.model_lock:
-                sums = checksums(engine.model.state_dict())
-            return {name: digest for name, digest in sums.items() if name not in skip}
+        def kept() -> dict[str, Any]:
+            return {n: t for n, t in held.state().items() if not any(pattern in n for pattern in skip)}
 
-        sums = await asyncio.to_thread(compute)
-        if body.action == "snapshot":
-            engine.checksum_snapshot = sums
-            return result(True, f"Snapshot of {len(sums)} tensors taken.")
-        if body.action == "compare":
-            if engine.checksum_snapshot is None:
-                return result(False, "No snapshot: call weights_checker with action snapshot first.")
-            changed = sorted(n for n in sums if engine.checksum_snapshot.get(n) != sums[n])
-            if changed:
-                return result(False, f"{len(changed)} tensors differ from the snapshot: {changed[:10]}")
-            return result(True, "All tensors match the snapshot.")
-        engine_sum = combined_checksum(sums)
-        rank = {
-            "checksums": sums,
-            "per_gpu_checksum": engine_sum,
-            "parallelism_info": {"tp_rank": 0, "tp_size": 1, "dp_rank": 0, "pp_rank": 0, "ep_rank": 0},
-        }
-        return JSONResponse(
-            {"success": True, "message": "", "ranks": [rank], "per_engine_checksum": engine_sum}
-        )
+        def run() -> JSONResponse:
+            with generator.model_lock, held.lock:
+                if body.action == "checksum":
+                    sums = checksums(kept())
+                    per_gpu = overall_checksum(sums)
+                    rank = {
+                        "checksums": sums,
+                        "per_gpu_checksum": per_gpu,
+                        "parallelism_info": PARALLELISM_INFO,
+                    }
+                    engine_sum = engine_checksum([per_gpu])
+                    return JSONResponse(
+                        {"success": True, "message": "", "ranks": [rank], "per_engine_checksum": engine_sum}
+                    )
+                if body.action == "snapshot":
+                    engine.checksum_snapshot = {n: t.clone() for n, t in held.state().items()}
+                    return result(True, "")
+                if body.action == "compare":
+                    if engine.checksum_snapshot is None:
+                        return result(False, "No snapshot: call weights_checker with action snapshot first.")
+                    snapshot, engine.checksum_snapshot = engine.checksum_snapshot, None
+                    changed = sorted(
+                        n
+                        for n, t in kept().items()
+                        if not torch.equal(
+                            snapshot[n].view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+                        )
+                    )
+                    if changed:
+                        return result(
+                            False, f"{len(changed)} tensors differ from the snapshot: {changed[:10]}"
+                        )
+                    return result(True, "")
+            if body.action == "reset_tensors":
+                with generator.exclusive():
+                    held.reset_random(skip)
+                return result(True, "")
+            return result(False, f"Unsupported action={body.action!r}")
+
+        return await asyncio.to_thread(run)
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name() -> JSONResponse:

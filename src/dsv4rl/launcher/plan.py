@@ -74,6 +74,11 @@ def model_dir(cfg: Config) -> Path:
     return Path(cfg.model.path) if cfg.model.path else Path(cfg.run.dir) / "model"
 
 
+def source_model_dir(run_dir: Path) -> Path:
+    """`dsv4rl align` with the tiny model: the unquantized weights the trainer holds (quant=none)."""
+    return Path(run_dir) / "model-source"
+
+
 # ------------------------------------------------------------------------------------------- layout
 def _disaggregated(cfg: Config) -> bool:
     return not cfg.parallel.colocate and cfg.parallel.rollout.nnodes > 0
@@ -190,7 +195,7 @@ def reference_engine_argv(cfg: Config, model_path: str, port: int, seed: int) ->
 
 
 def sglang_argv(cfg: Config, model_path: str, port: int, seed: int, base_gpu_id: int) -> list[str]:
-    """`python -m sglang.launch_server` with SGLang 0.5.23 flag names (sglang-contract.md §1)."""
+    """`python -m sglang.launch_server` with SGLang 0.5.23's flag names (`srt/arg_groups/fields`)."""
     ro = cfg.parallel.rollout
     gpus_per_node = cfg.cluster.gpus_per_node
     if gpus_per_node and ro.gpus_per_engine > gpus_per_node:
@@ -219,9 +224,10 @@ def sglang_argv(cfg: Config, model_path: str, port: int, seed: int, base_gpu_id:
     return argv
 
 
-def trainer_argv(cfg: Config, run_dir: Path) -> list[str]:
+def trainer_argv(cfg: Config, run_dir: Path, task: str = "train") -> list[str]:
     """torchrun from this interpreter's environment (`python -m torch.distributed.run`)."""
     pt = cfg.parallel.train
+    task_args = [] if task == "train" else ["--task", task]
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", str(pt.nnodes),
@@ -231,14 +237,20 @@ def trainer_argv(cfg: Config, run_dir: Path) -> list[str]:
         "--master-port", str(cfg.cluster.master_port),
         "-m", "dsv4rl.train.worker",
         "--config", str(config_path(cfg, run_dir)),
+        *task_args,
     ]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- the plan
 def build_local_plan(
-    cfg: Config, run_dir: Path, base_env: Mapping[str, str] | None = None, model_path: str | None = None
+    cfg: Config,
+    run_dir: Path,
+    base_env: Mapping[str, str] | None = None,
+    model_path: str | None = None,
+    task: str = "train",
 ) -> list[ProcessSpec]:
-    """Engines first (they must be healthy before the trainer starts), then the trainer."""
+    """Engines first (they must be healthy before the trainer starts), then the trainer (`task`: train or
+    align). SGLang engines also get `quant.engine_env`."""
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
     node = cfg.cluster.node_rank
@@ -255,8 +267,10 @@ def build_local_plan(
     for local, global_index in enumerate(engines):
         port = cfg.engine.port + local
         seed = cfg.seed + global_index
+        process_env = dict(env)
         if kind == "sglang":
             argv = sglang_argv(cfg, model, port, seed, base_gpu_id=local * gpe)
+            process_env.update({str(k): str(v) for k, v in cfg.quant.engine_env.items()})
         elif kind == "reference":
             argv = reference_engine_argv(cfg, model, port, seed)
         else:
@@ -270,7 +284,7 @@ def build_local_plan(
             ProcessSpec(
                 name=name,
                 argv=argv + [str(a) for a in cfg.engine.extra_args],
-                env=dict(env),
+                env=process_env,
                 log_path=logs / f"{name}.log",
                 role="engine",
                 health_url=f"http://{_url_host(host)}:{port}/health_generate",
@@ -297,7 +311,7 @@ def build_local_plan(
         specs.append(
             ProcessSpec(
                 name="trainer",
-                argv=trainer_argv(cfg, run_dir),
+                argv=trainer_argv(cfg, run_dir, task),
                 env=trainer_env,
                 log_path=logs / trainer_log_name(cfg),
                 role="trainer",

@@ -91,6 +91,8 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
     return {
         "recipe": cfg.recipe,
         "run_dir": str(run_dir),
+        # what the trainer sends and the engines must serve (their SGLang environment: quant.engine_env)
+        "quant": {"name": cfg.quant.name.value, "engine_env": dict(cfg.quant.engine_env)},
         "nnodes": cfg.cluster.nnodes,
         "engines": engines,
         "nodes": [node_plan(cfg, run_dir, n) for n in nodes],
@@ -107,6 +109,7 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     console.print(
         Text(f"recipe {plan['recipe']}: {plan['nnodes']} node(s), run dir {plan['run_dir']}", style="bold")
     )
+    console.print(f"weights on the wire: quant={plan['quant']['name']} (the engines must serve that format)")
     for node in plan["nodes"]:
         table = Table(show_lines=True, expand=False)
         for column in ("process", "role", "gpus", "port", "command"):

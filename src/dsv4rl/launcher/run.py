@@ -14,7 +14,13 @@ from rich.console import Console
 
 from dsv4rl.config.schema import Config
 from dsv4rl.launcher.marker import DoneMarker
-from dsv4rl.launcher.plan import build_local_plan, check_ports, config_path, remote_engine_health
+from dsv4rl.launcher.plan import (
+    build_local_plan,
+    check_ports,
+    config_path,
+    remote_engine_health,
+    source_model_dir,
+)
 from dsv4rl.launcher.supervisor import Supervisor
 
 
@@ -47,22 +53,36 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
         )
 
 
-def run_training(cfg: Config, *, console: Console | None = None, plan_builder=build_local_plan) -> int:
-    """`dsv4rl train`: check ports, prepare the run dir and model, run the node's processes to the end."""
+def run_training(
+    cfg: Config, *, console: Console | None = None, plan_builder=build_local_plan, task: str = "train"
+) -> int:
+    """`dsv4rl train` (and `dsv4rl align`, `task="align"`): check ports, prepare the run dir and model, run
+    the node's processes to the end."""
     console = console or Console()
     run_dir = Path(cfg.run.dir).resolve()
     check_ports(cfg)  # before anything is written or started
     remote_engines = remote_engine_health(cfg)  # ConfigError without cluster.node_addrs
-    check_run_dir(cfg, run_dir)
+    if task == "train":
+        check_run_dir(cfg, run_dir)
+    if cfg.model.path is None:
+        from dsv4rl.model.tiny import ModelDirMismatch, check_model_dir
+
+        try:  # before anything is written
+            check_model_dir(cfg.model, run_dir / "model", cfg.quant)
+        except ModelDirMismatch as error:
+            raise RunDirInUse(str(error)) from None
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     write_config(cfg, run_dir)
     if cfg.model.path is None:
+        from dsv4rl.config.schema import QuantConfig
         from dsv4rl.model.tiny import materialize_model
 
-        with console.status("building the tiny model from its seed ..."):
-            materialize_model(cfg.model, str(run_dir / "model"))
-    specs = plan_builder(cfg, run_dir)
+        with console.status(f"building the tiny model from its seed (quant={cfg.quant.name.value}) ..."):
+            materialize_model(cfg.model, str(run_dir / "model"), cfg.quant)
+            if task == "align":  # the trainer holds the unquantized weights
+                materialize_model(cfg.model, str(source_model_dir(run_dir)), QuantConfig())
+    specs = plan_builder(cfg, run_dir, task=task)
     node, multi_node = cfg.cluster.node_rank, cfg.cluster.nnodes > 1
     marker = None
     if multi_node and node == 0:
@@ -73,12 +93,12 @@ def run_training(cfg: Config, *, console: Console | None = None, plan_builder=bu
     supervisor = Supervisor(
         specs,
         run_dir,
-        total_steps=cfg.train.steps,
+        total_steps=cfg.train.steps if task == "train" else 0,
         console=console,
-        live=cfg.run.progress and sys.stdout.isatty() and node == 0,
+        live=cfg.run.progress and sys.stdout.isatty() and node == 0 and task == "train",
         startup_timeout_s=cfg.engine.startup_timeout_s,
         remote_engines=remote_engines,
         done_marker=marker,
-        show_progress=node == 0,  # nodes share one log under srun: one progress display
+        show_progress=node == 0 and task == "train",  # nodes share one log under srun: one display
     )
     return supervisor.run()

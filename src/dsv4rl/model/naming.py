@@ -2,7 +2,9 @@
 
 The trainer holds an HF model; the wire carries native checkpoint names (what SGLang loads, and
 what the released safetensors use), with routed experts split per expert into w1/w2/w3.
-The mapping follows shared/reference/dsv4-model.md §4.2.
+The mapping is transformers 5.23's DeepSeek-V4 conversion table (`conversion_mapping.py`) against the
+released checkpoint's names (deepseek-ai/DeepSeek-V4-Flash, `inference/model.py`), checked both ways on
+the tiny model (tests/model/test_naming.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
@@ -62,6 +65,54 @@ _NATIVE_GLOBALS = {native: hf for hf, native in _GLOBALS.items()}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _NATIVE_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _NATIVE_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+class CheckpointKind(StrEnum):
+    """How the released DeepSeek-V4 checkpoint stores a tensor, which decides how each quant mode sends it."""
+
+    fp8_linear = "fp8_linear"  # FP8 e4m3 + 128x128 E8M0 `.scale`: attention and shared-expert linears
+    routed_expert = "routed_expert"  # MXFP4 (int8-packed e2m1) + 1x32 E8M0 `.scale`
+    bf16 = "bf16"  # embed, head, norms, router weight, compressor and indexer projections
+    fp32 = "fp32"  # mHC mixing, attention sinks, compressor position biases, router selection bias
+    integer = "integer"  # the hash-routing table tid2eid (int64), never through a float cast
+
+
+_FP8_LINEAR = re.compile(
+    r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123])\.weight$"
+)
+_ROUTED_EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+_FP32 = re.compile(
+    r"^(hc_head_(fn|base|scale)|layers\.\d+\.(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink"
+    r"|attn\.(indexer\.)?compressor\.ape|ffn\.gate\.bias))$"
+)
+SCALE_SUFFIX = ".scale"
+
+
+def checkpoint_kind(native_name: str) -> CheckpointKind:
+    """The release's storage class of a native tensor name (its `.scale` companions excluded)."""
+    if _FP8_LINEAR.match(native_name):
+        return CheckpointKind.fp8_linear
+    if _ROUTED_EXPERT.match(native_name):
+        return CheckpointKind.routed_expert
+    if _FP32.match(native_name):
+        return CheckpointKind.fp32
+    if native_name.endswith(".ffn.gate.tid2eid"):
+        return CheckpointKind.integer
+    return CheckpointKind.bf16
+
+
+def scale_name(weight_name: str) -> str:
+    """`layers.0.attn.wq_a.weight` -> `layers.0.attn.wq_a.scale` (the release names scales per module)."""
+    if not weight_name.endswith(".weight"):
+        raise UnknownTensorName(f"only `.weight` tensors have a `.scale`: {weight_name!r}")
+    return weight_name.removesuffix(".weight") + SCALE_SUFFIX
+
+
+def weight_name_of(scale: str) -> str:
+    """The weight a `.scale` tensor belongs to."""
+    if not scale.endswith(SCALE_SUFFIX):
+        raise UnknownTensorName(f"not a `.scale` tensor name: {scale!r}")
+    return scale.removesuffix(SCALE_SUFFIX) + ".weight"
 
 
 class UnknownTensorName(KeyError):

@@ -6,12 +6,26 @@ score-routed MoE; mHC with 4 streams) so the whole loop exercises the real archi
 
 from __future__ import annotations
 
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as transformers_logging
 
-from dsv4rl.config.schema import LAYER_TYPES, MLP_TYPES, ModelConfig, TinyModelConfig
+from dsv4rl.config.schema import (
+    LAYER_TYPES,
+    MLP_TYPES,
+    ExpertScaleDtype,
+    ModelConfig,
+    QuantConfig,
+    TinyModelConfig,
+)
+from dsv4rl.model.native_checkpoint import load_native_model, write_native_checkpoint
 from dsv4rl.model.tokenizer import build_char_tokenizer
+from dsv4rl.quant.formats import WireFormat
 
 
 def tiny_hf_config(tiny: TinyModelConfig, vocab_size: int) -> DeepseekV4Config:
@@ -95,33 +109,68 @@ def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerFast:
 
 
 def load_model(model_config: ModelConfig, vocab_size: int | None = None) -> DeepseekV4ForCausalLM:
-    """The tiny model from its seed, or a transformers checkpoint from `model_config.path`."""
+    """The tiny model from its seed, or the checkpoint at `model_config.path` (native or transformers)."""
     if model_config.path is None:
         if vocab_size is None:
             vocab_size = len(load_tokenizer(model_config))
         return build_tiny_model(model_config, vocab_size)
     dtype = torch.float32 if model_config.dtype.value == "float32" else torch.bfloat16
-    model = DeepseekV4ForCausalLM.from_pretrained(model_config.path, dtype=dtype)
-    model.config._attn_implementation = "eager"
-    return model.eval()
+    return load_native_model(model_config.path, dtype)
 
 
-def materialize_model(model_config: ModelConfig, directory: str) -> str:
-    """Write the model and tokenizer as a transformers directory, the `--model-path` engines load.
+def wire_format_for(quant: QuantConfig) -> WireFormat:
+    """The format a checkpoint of `quant` is written in (expert scales E8M0, like the release, unless set)."""
+    scale = torch.float32 if quant.expert_scale_dtype == ExpertScaleDtype.float32 else torch.float8_e8m0fnu
+    return WireFormat(quant.name, tuple(quant.block_size), scale)
 
-    The tiny model has no checkpoint to download: the launcher builds it from its seed once, and
-    engines and trainers load the same files, exactly as they would a real model directory.
+
+MANIFEST_FILE = "dsv4rl-model.json"
+
+
+class ModelDirMismatch(ValueError):
+    """A model directory built earlier from other settings than the recipe's."""
+
+
+def materialize_model(model_config: ModelConfig, directory: str, quant: QuantConfig | None = None) -> str:
+    """Write the tiny model as a native DeepSeek-V4 checkpoint in `quant`'s format, with its tokenizer.
+
+    The tiny model has no checkpoint to download: the launcher builds it from its seed once, and engines
+    and trainers load the same files, exactly as they would the released checkpoint. A directory built
+    before is reused only when it was built from the same settings (recorded in dsv4rl-model.json).
     """
-    from pathlib import Path
-
+    quant = quant if quant is not None else QuantConfig()
     target = Path(directory)
-    if (target / "config.json").exists():
+    if check_model_dir(model_config, target, quant):
         return str(target)
     tokenizer = load_tokenizer(model_config)
     model = load_model(model_config, vocab_size=len(tokenizer))
     partial = target.with_name(target.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)  # a build interrupted earlier
     transformers_logging.disable_progress_bar()  # the supervisor's own display is on screen
-    model.save_pretrained(partial)
+    write_native_checkpoint(model, partial, wire_format_for(quant))
     tokenizer.save_pretrained(partial)
+    (partial / MANIFEST_FILE).write_text(_manifest(model_config, quant))
     partial.rename(target)
     return str(target)
+
+
+def _manifest(model_config: ModelConfig, quant: QuantConfig) -> str:
+    keys = {"name": quant.name.value, "block_size": list(quant.block_size)}
+    keys["expert_scale_dtype"] = quant.expert_scale_dtype.value
+    return json.dumps({"model": asdict(model_config), "quant": keys}, sort_keys=True, default=str)
+
+
+def check_model_dir(model_config: ModelConfig, directory: str | Path, quant: QuantConfig) -> bool:
+    """True when `directory` already holds this model in this format; ModelDirMismatch when it holds
+    another; False when there is nothing to reuse."""
+    target = Path(directory)
+    if not (target / "config.json").exists():
+        return False
+    built = (target / MANIFEST_FILE).read_text() if (target / MANIFEST_FILE).exists() else None
+    if built != _manifest(model_config, quant):
+        raise ModelDirMismatch(
+            f"{target} holds a model built from other settings (model.* or quant=) than this recipe's "
+            f"(quant={quant.name.value}); choose a new run.dir, or delete that directory to rebuild it"
+        )
+    return True

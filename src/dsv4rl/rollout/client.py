@@ -354,6 +354,15 @@ class EngineClient:
             body["load_format"] = load_format
         return await self._weights("/update_weights_from_distributed", body)
 
+    async def weights_checker(
+        self, action: str = "checksum", skip_tensor_list: list[str] | None = None
+    ) -> dict:
+        """POST /weights_checker: checksum, snapshot, reset_tensors or compare (success false raises)."""
+        body: dict[str, Any] = {"action": action}
+        if skip_tensor_list is not None:
+            body["skip_tensor_list"] = list(skip_tensor_list)
+        return await self._weights("/weights_checker", body)
+
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return await self._weights("/destroy_weights_update_group", {"group_name": group_name})
 

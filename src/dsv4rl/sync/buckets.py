@@ -2,8 +2,10 @@
 
 Pure functions, shared by the trainer (`WeightSync`) and the engine (`WeightReceiver`):
 - `iter_buckets` bounds each `/update_weights_from_distributed` request to `bucket_bytes` (the server
-  allocates every tensor of a request at once), while keeping the tensors SGLang fuses at load time in
-  one request (sglang-contract.md §5.3: a half pair fails the call after a partial update).
+  allocates every tensor of a request at once), while keeping together what must share a request: a
+  quantized weight and its `.scale` (the quantizer emits them as one unit), and the tensors SGLang fuses
+  at load time (wq_a + wkv, compressor wkv + wgate, wo_a weight + scale: a half pair fails the call after
+  a partial update).
 - `bucket_metadata` is the request body (`names`, bare `dtypes` such as "bfloat16", `shapes`).
 - `flatten_bucket` / `unflatten_bucket` implement `load_format="flattened_bucket"`: the tensors back to
   back as one uint8 buffer, no padding, each offset a multiple of its itemsize (so callers sort with
@@ -90,37 +92,51 @@ class _Bundle:
         return all(s == suffixes[0] for s in suffixes)
 
 
-def _units(named: Iterable[NamedTensor]) -> Iterator[list[NamedTensor]]:
+def _units(stream: Iterable[NamedTensor | list[NamedTensor]]) -> Iterator[list[NamedTensor]]:
     """Group the stream into units that must share a bucket, keeping the stream order otherwise.
 
+    Items are single (name, tensor) pairs or lists that already form a unit (a weight and its scale).
     An incomplete bundle (e.g. an unquantised wo_a without scale) is released when the stream moves on
     to another layer, so at most about one layer's tensors are held back.
     """
     pending: dict[str, _Bundle] = {}
-    for name, tensor in named:
-        layer = _layer_of(name)
+    for item in stream:
+        unit = item if isinstance(item, list) else [item]
+        if not unit:
+            continue
+        layer = _layer_of(unit[0][0])
         for key in [k for k, b in pending.items() if b.layer != layer]:
             yield pending.pop(key).items
-        paired = pair_key(name)
-        if paired is None:
-            yield [(name, tensor)]
+        paired = [(member, pair_key(member[0])) for member in unit]
+        keys = {p[0] for _, p in paired if p is not None}
+        if not keys:
+            yield unit
             continue
-        key, kind, suffix = paired
+        key = keys.pop() if len(keys) == 1 else ",".join(sorted(keys))
         bundle = pending.setdefault(key, _Bundle(key, layer, wo_a=key.endswith(".wo_a")))
-        bundle.add((name, tensor), kind, suffix)
+        for member, pair in paired:
+            if pair is None:
+                bundle.items.append(member)
+            else:
+                bundle.add(member, pair[1], pair[2])
         if bundle.complete():
             yield pending.pop(key).items
     for bundle in pending.values():
         yield bundle.items
 
 
-def iter_buckets(named: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[NamedTensor]]:
-    """Buckets of at most `bucket_bytes` (a unit larger than that travels alone), pairs kept together."""
+def iter_buckets(
+    stream: Iterable[NamedTensor | list[NamedTensor]], bucket_bytes: int
+) -> Iterator[list[NamedTensor]]:
+    """Buckets of at most `bucket_bytes` (a unit larger than that travels alone), units and pairs kept whole.
+
+    `stream` yields (name, tensor) pairs, or lists of them that must travel together.
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket: list[NamedTensor] = []
     size = 0
-    for unit in _units(named):
+    for unit in _units(stream):
         unit_bytes = sum(t.numel() * t.element_size() for _, t in unit)
         if bucket and size + unit_bytes > bucket_bytes:
             yield bucket

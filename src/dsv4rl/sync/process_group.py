@@ -1,6 +1,6 @@
 """A process group outside torch's default group: the trainer <-> engines weight-update group.
 
-This mirrors SGLang's `init_custom_process_group` (sglang-contract.md §5.2) so the trainer side joins
+This mirrors SGLang 0.5.23's `init_custom_process_group` (`srt/utils/common.py`) so the trainer side joins
 exactly the group an SGLang server creates: a TCPStore on `tcp://host:port` hosted by rank 0, wrapped in
 `PrefixStore(group_name, store)`, and a group built by torch's `_new_process_group_helper` with an
 empty rank list. The helper does not touch the default group, so it works in an engine process
@@ -21,6 +21,7 @@ import threading
 from datetime import timedelta
 from urllib.parse import urlparse
 
+import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import (
@@ -35,11 +36,26 @@ __all__ = [
     "destroy_custom_process_group",
     "format_init_method",
     "init_custom_process_group",
+    "transport_view",
 ]
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default_pg_timeout, what SGLang uses
 _lock = threading.Lock()
+
+
+_BYTE_VIEWED = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
+
+
+def transport_view(tensor: torch.Tensor, backend: str) -> torch.Tensor:
+    """The tensor a broadcast moves: gloo has no float8 types, so those travel as their bytes (uint8).
+
+    Both ends of a gloo group apply the same view; the bytes, and so the received tensor, are identical.
+    NCCL broadcasts float8 tensors as they are (what SGLang's receiver posts).
+    """
+    if backend == "gloo" and tensor.dtype in _BYTE_VIEWED:
+        return tensor.view(torch.uint8)
+    return tensor
 
 
 def format_init_method(host: str, port: int) -> str:

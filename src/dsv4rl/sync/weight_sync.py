@@ -1,17 +1,16 @@
 """The trainer side of checkpoint-free weight sync: rank 0 broadcasts the weights to every engine.
 
-Protocol (sglang-contract.md §5.2): the trainer is rank 0 of a custom process group; engine i joins at
-`rank_offset = 1 + ranks of engines before it`. Each update request (`/update_weights_from_distributed`,
-one per bucket) is POSTed to every engine and, while those POSTs are in flight, the trainer broadcasts
-the bucket's tensors in `names` order. The POSTs run on a private asyncio loop in a helper thread, so
-`WeightSync` is a blocking API callable from any thread (not from inside a running event loop's thread
-without `asyncio.to_thread`); `EngineClient` keeps one httpx client per loop, so the same clients can
-serve rollouts on another loop meanwhile.
+Protocol (SGLang 0.5.23's `/update_weights_from_distributed`): the trainer is rank 0 of a custom process
+group; engine i joins at `rank_offset = 1 + ranks of engines before it`. A push pauses the engines,
+opens a weight-update session, streams the weights through the pipeline (`dsv4rl.sync.pipeline`:
+native names -> wire format -> buckets) into the transport (`dsv4rl.sync.transport`: each bucket's
+request POSTed to every engine while the tensors are broadcast), then closes the session, flushes the
+cache, sets the weight version and lets generation continue. The POSTs run on a private asyncio loop
+in a helper thread, so `WeightSync` is a blocking API callable from any thread (not from inside a
+running event loop's thread without `asyncio.to_thread`).
 
-Failures never hang for long: a POST that fails while broadcasts are outstanding (e.g. HTTP 400 because
-the engine refused the request before receiving) is reported at once with the engine's message; a peer
-that stops mid-transfer trips the group timeout (`sync.timeout_s`). Either way the group is marked
-broken: `close()` then `connect()` again.
+Failures never hang for long; when a transfer fails the group is marked broken: `close()` then
+`connect()` again.
 """
 
 from __future__ import annotations
@@ -20,53 +19,42 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from dsv4rl.model.naming import UnknownTensorName, hf_to_native
-from dsv4rl.sync.buckets import (
-    FLATTENED_BUCKET,
-    NamedTensor,
-    bucket_metadata,
-    flatten_bucket,
-    iter_buckets,
-    parse_dtype,
-    sort_for_flattening,
-)
+from dsv4rl.quant.formats import WireFormat
+from dsv4rl.sync.buckets import FLATTENED_BUCKET, NamedTensor, sort_for_flattening
+from dsv4rl.sync.checksum import checksums
 from dsv4rl.sync.loop_thread import LoopThread
+from dsv4rl.sync.pipeline import wire_buckets
 from dsv4rl.sync.process_group import (
     BACKENDS,
     destroy_custom_process_group,
     format_init_method,
     init_custom_process_group,
 )
+from dsv4rl.sync.transport import BroadcastTransport, WeightSyncError, engine_name, post_error
 
 __all__ = ["SyncStats", "WeightSync", "WeightSyncError"]
 
 log = logging.getLogger("dsv4rl.sync")
-_POLL_S = 0.001
-NAMINGS = ("native", "hf")
 PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync step failed; the message names the engine and step and says how to recover."""
 
 
 @dataclass
 class SyncStats:
-    """One push: payload bytes, wall seconds (pause to continue), buckets and tensors sent."""
+    """One push: payload bytes, wall seconds (pause to continue), buckets, tensors, where the time went."""
 
     bytes: int = 0
     seconds: float = 0.0
     buckets: int = 0
     tensors: int = 0
-    transfer_seconds: float = 0.0  # time inside the bucket transfers (POST ∥ broadcast) only
+    transfer_seconds: float = 0.0  # inside the bucket transfers (POST ∥ broadcast ∥ engine load)
+    pipeline_seconds: float = 0.0  # gathering, renaming, quantizing (and checksumming) into buckets
+    checksums: dict[str, str] = field(default_factory=dict)  # sha256 of each tensor sent, when recorded
 
     @property
     def gb_per_s(self) -> float:
@@ -76,9 +64,10 @@ class SyncStats:
     def transfer_gb_per_s(self) -> float:
         return self.bytes / self.transfer_seconds / 1e9 if self.transfer_seconds > 0 else 0.0
 
-
-def _engine(client: Any) -> str:
-    return str(getattr(client, "base_url", client))
+    @property
+    def control_seconds(self) -> float:
+        """The control requests around the transfers: pause, begin, end, flush, version, continue."""
+        return max(0.0, self.seconds - self.transfer_seconds - self.pipeline_seconds)
 
 
 class WeightSync:
@@ -87,7 +76,8 @@ class WeightSync:
     `clients` are `EngineClient`s (or anything with the same async methods). `engine_ranks[i]` is engine
     i's TP size, the ranks it adds to the group (1 for the reference engine). `load_format` is None (one
     broadcast per tensor) or "flattened_bucket" (one per bucket); when None it is read from
-    `sync_cfg.load_format` if that field exists.
+    `sync_cfg.load_format` if that field exists. `wire_format` converts native tensors to what the engines
+    hold (None: sent as they are); the trainer sets it once it knows what the engines serve.
     """
 
     def __init__(
@@ -101,14 +91,13 @@ class WeightSync:
         engine_ranks: Sequence[int] | None = None,
         load_format: str | None = None,
         device: torch.device | str | None = None,
+        wire_format: WireFormat | None = None,
     ) -> None:
         if not clients:
             raise ValueError("WeightSync needs at least one engine client")
         backend = str(backend).lower()
         if backend not in BACKENDS:
             raise ValueError(f"unknown weight-sync backend {backend!r}; choose from {list(BACKENDS)}")
-        if sync_cfg.naming not in NAMINGS:
-            raise ValueError(f"sync.naming must be one of {list(NAMINGS)}, got {sync_cfg.naming!r}")
         if sync_cfg.pause_mode not in PAUSE_MODES:
             raise ValueError(
                 f"sync.pause_mode must be one of {list(PAUSE_MODES)}, got {sync_cfg.pause_mode!r}"
@@ -131,10 +120,12 @@ class WeightSync:
         self.engine_ranks = ranks
         self.world_size = 1 + sum(ranks)
         self.load_format = load_format
+        self.wire_format = wire_format
         if device is None:
             device = "cpu" if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
         self.device = torch.device(device)
-        self._pg: dist.ProcessGroup | None = None
+        self._pg: Any = None
+        self.transport: BroadcastTransport | None = None
         self._broken: str | None = None
         self._http: LoopThread | None = None
         self._lock = threading.Lock()
@@ -158,7 +149,9 @@ class WeightSync:
             try:
                 results.append(future.result(timeout=self.cfg.timeout_s + 5))
             except Exception as exc:  # EngineError names engine and endpoint; add it if something else
-                errors.append(exc if _engine(client) in str(exc) else f"engine {_engine(client)}: {exc!r}")
+                errors.append(
+                    exc if engine_name(client) in str(exc) else f"engine {engine_name(client)}: {exc!r}"
+                )
         if errors:
             raise WeightSyncError(f"{method} failed: " + "; ".join(map(str, errors)))
         return results
@@ -207,8 +200,8 @@ class WeightSync:
                 for client, future in posts:
                     if future.done() and future.exception() is not None:
                         raise WeightSyncError(
-                            f"engine {_engine(client)} could not join the weight-update group at {where}: "
-                            f"{future.exception()}. The trainer's half-built group is abandoned "
+                            f"engine {engine_name(client)} could not join the weight-update group at "
+                            f"{where}: {future.exception()}. The trainer's half-built group is abandoned "
                             f"(it times out after sync.timeout_s={self.cfg.timeout_s:g} s)."
                         )
                 if "error" in joined:
@@ -219,23 +212,37 @@ class WeightSync:
                 if not thread.is_alive() and all(f.done() for _, f in posts):
                     break
                 if time.monotonic() > deadline:
-                    waiting = [_engine(c) for c, f in posts if not f.done()]
+                    waiting = [engine_name(c) for c, f in posts if not f.done()]
                     raise WeightSyncError(
                         f"timed out joining the weight-update group at {where}; "
                         f"still waiting for: {waiting or ['the trainer rendezvous']}"
                     )
                 time.sleep(0.01)
             self._pg, self._broken = joined["pg"], None
+            self.transport = BroadcastTransport(
+                self.clients,
+                self._pg,
+                loop,
+                group_name=self.cfg.group_name,
+                backend=self.backend,
+                device=self.device,
+                timeout_s=self.cfg.timeout_s,
+                load_format=self.load_format,
+            )
             log.info("weight-update group %s ready: world_size=%d", where, self.world_size)
 
     # ------------------------------------------------------------------------------------------ push
-    def push(self, named_weights: Iterable[NamedTensor], version: str) -> SyncStats:
-        """Pause, open a session, send every bucket (POST ∥ broadcast), close, flush, version, continue.
+    def push(
+        self, named_weights: Iterable[NamedTensor], version: str, *, record_checksums: bool = False
+    ) -> SyncStats:
+        """Pause, open a session, send every bucket, close, flush, set the version, continue.
 
-        On failure the engines stay paused with a partial update and WeightSyncError says what failed.
+        `record_checksums` keeps the sha256 of every tensor as it leaves the pipeline (before the
+        transport), for comparison with what the engines hold. On failure the engines stay paused with a
+        partial update and WeightSyncError says what failed.
         """
         with self._lock:
-            if self._pg is None:
+            if self._pg is None or self.transport is None:
                 raise WeightSyncError("not connected: call connect() before push()")
             if self._broken:
                 raise WeightSyncError(
@@ -246,15 +253,9 @@ class WeightSync:
             self._call_all("pause_generation", mode=self.cfg.pause_mode)
             self._call_all("begin_weight_update")
             try:
-                buckets = iter_buckets(self._wire_names(named_weights), self.cfg.bucket_bytes)
-                current = next(buckets, None)
-                if current is None:
-                    raise WeightSyncError("push() got no tensors")
-                while current is not None:
-                    following = next(buckets, None)
-                    self._send_bucket(current, version if following is None else None, stats)
-                    current = following
+                self._send_all(named_weights, version, stats, record_checksums)
             except Exception:
+                self._broken = self._broken or self.transport.broken
                 try:  # close the session so a later push can open one; the engines stay paused
                     self._call_all("end_weight_update")
                 except WeightSyncError as exc:
@@ -277,108 +278,29 @@ class WeightSync:
             )
             return stats
 
-    def _wire_names(self, named_weights: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
-        for name, tensor in named_weights:
-            if isinstance(tensor, DTensor):
-                raise WeightSyncError(
-                    f"{name} is a sharded DTensor: pass full tensors, gathered on every rank first "
-                    "(FSDPTrainEngine.named_weights_for_sync)"
-                )
-            if self.cfg.naming != "native":
-                yield name, tensor
-                continue
-            try:
-                yield from list(hf_to_native(name, tensor))
-            except UnknownTensorName:
-                yield name, tensor  # already a native (or SGLang) name: the engine is the judge
-
-    def _send_bucket(self, bucket: list[NamedTensor], weight_version: str | None, stats: SyncStats) -> None:
-        if self.load_format == FLATTENED_BUCKET:
-            bucket = sort_for_flattening(bucket)
-        meta = bucket_metadata(bucket)
-        for name, dtype in zip(meta["names"], meta["dtypes"], strict=True):
-            try:
-                parse_dtype(dtype)
-            except ValueError as error:
-                raise WeightSyncError(f"{name}: {error}") from None
-        tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
-        if self.load_format == FLATTENED_BUCKET:
-            payload = [flatten_bucket(list(zip(meta["names"], tensors, strict=True)), self.device)]
-        else:
-            payload = tensors
-        what = f"bucket {stats.buckets} ({len(bucket)} tensors from {meta['names'][0]})"
-        loop = self._loop()
-        start = time.monotonic()
-        names, dtypes, shapes = meta["names"], meta["dtypes"], meta["shapes"]
-        options = {"flush_cache": False, "weight_version": weight_version, "load_format": self.load_format}
-        posts = [
-            (
-                c,
-                loop.submit(
-                    c.update_weights_from_distributed(names, dtypes, shapes, self.cfg.group_name, **options)
-                ),
-            )
-            for c in self.clients
-        ]
-        works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for t in payload]
-        self._wait_transfer(works, posts, what)
-        stats.transfer_seconds += time.monotonic() - start
-        stats.buckets += 1
-        stats.tensors += len(bucket)
-        stats.bytes += sum(t.numel() * t.element_size() for t in tensors)
-
-    def _wait_transfer(self, works: list[Any], posts: list[tuple[Any, cf.Future]], what: str) -> None:
-        deadline = time.monotonic() + self.cfg.timeout_s
-        futures = [f for _, f in posts]
-        while not all(w.is_completed() for w in works):
-            failed = [(c, f) for c, f in posts if f.done() and f.exception() is not None]
-            if failed:
-                self._broken = f"{what} was refused while its broadcasts were outstanding"
-                works.clear()  # a traceback must not keep the group's pending work alive
-                raise WeightSyncError(
-                    f"{what}: " + "; ".join(self._post_error(c, f) for c, f in failed) + ". Its broadcasts "
-                    "were never received, so the group is unusable: close() and connect() again "
-                    "(engines are left paused)."
-                )
-            if time.monotonic() > deadline:
-                self._broken = f"{what} timed out"
-                works.clear()
-                raise WeightSyncError(
-                    f"{what}: broadcasts not received within sync.timeout_s={self.cfg.timeout_s:g} s; "
-                    + self._post_states(posts)
-                )
-            pending = [f for f in futures if not f.done()]
-            if pending:
-                cf.wait(pending, timeout=_POLL_S, return_when=cf.FIRST_COMPLETED)
-            else:
-                time.sleep(_POLL_S)
-        try:
-            for work in works:
-                work.wait()
-        except Exception as exc:
-            self._broken = f"{what} broadcast failed"
-            cf.wait(futures, timeout=1.0)
-            raise WeightSyncError(f"{what}: broadcast failed: {exc}; {self._post_states(posts)}") from exc
-        cf.wait(futures, timeout=self.cfg.timeout_s + 5)
-        errors = [self._post_error(c, f) for c, f in posts if not f.done() or f.exception() is not None]
-        if errors:
-            raise WeightSyncError(
-                f"{what}: the engine did not load it: {'; '.join(errors)} "
-                "(engines are left paused with a partial update)"
-            )
-
-    @staticmethod
-    def _post_error(client: Any, future: cf.Future) -> str:
-        if not future.done():
-            return f"engine {_engine(client)}: no answer"
-        exc = future.exception()
-        return str(exc) if _engine(client) in str(exc) else f"engine {_engine(client)}: {exc!r}"
-
-    def _post_states(self, posts: list[tuple[Any, cf.Future]]) -> str:
-        return "; ".join(
-            self._post_error(c, f) if not f.done() or f.exception() else f"engine {_engine(c)}: ok"
-            for c, f in posts
-        )
+    def _send_all(
+        self, named_weights: Iterable[NamedTensor], version: str, stats: SyncStats, record_checksums: bool
+    ) -> None:
+        """Pull buckets from the pipeline and send each; the weight version rides on the last one."""
+        buckets = wire_buckets(named_weights, self.wire_format, self.cfg.bucket_bytes)
+        mark = time.monotonic()
+        current = next(buckets, None)
+        if current is None:
+            raise WeightSyncError("push() got no tensors")
+        while current is not None:
+            following = next(buckets, None)
+            if self.load_format == FLATTENED_BUCKET:
+                current = sort_for_flattening(current)
+            if record_checksums:
+                stats.checksums.update(checksums(dict(current)))
+            stats.pipeline_seconds += time.monotonic() - mark
+            what = f"bucket {stats.buckets} ({len(current)} tensors from {current[0][0]})"
+            mark = time.monotonic()
+            stats.bytes += self.transport.send(current, version if following is None else None, what)
+            stats.transfer_seconds += time.monotonic() - mark
+            stats.buckets += 1
+            stats.tensors += len(current)
+            current, mark = following, time.monotonic()
 
     # ------------------------------------------------------------------------------------------ close
     def close(self) -> None:
@@ -391,15 +313,13 @@ class WeightSync:
                     (c, loop.submit(c.destroy_weights_update_group(self.cfg.group_name)))
                     for c in self.clients
                 ]
-                pg, self._pg, self._broken = self._pg, None, None
+                pg, self._pg, self._broken, self.transport = self._pg, None, None, None
                 try:
                     destroy_custom_process_group(pg)
                 except Exception as exc:
                     errors.append(f"trainer: {exc!r}")
                 cf.wait([f for _, f in posts], timeout=30)
-                errors += [
-                    self._post_error(c, f) for c, f in posts if not f.done() or f.exception() is not None
-                ]
+                errors += [post_error(c, f) for c, f in posts if not f.done() or f.exception() is not None]
             if self._http is not None:
                 http, self._http = self._http, None
                 http.stop([c.aclose() for c in self.clients if hasattr(c, "aclose")])

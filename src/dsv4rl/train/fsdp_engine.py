@@ -19,17 +19,17 @@ from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import DeepseekV4ForCausalLM
 
 from dsv4rl.algo.grpo import (
     aggregate,
     entropy_from_logits,
     kl_penalty,
     policy_loss,
-    tis_weights,
     token_logprobs,
 )
+from dsv4rl.algo.mismatch import correction_weights
 from dsv4rl.config.schema import Config
+from dsv4rl.model.native_checkpoint import load_native_model
 from dsv4rl.train import checkpoint as ckpt
 from dsv4rl.train.batch import TrainBatch
 
@@ -118,8 +118,8 @@ class FSDPTrainEngine:
 
     # ------------------------------------------------------------------ model
     def _load(self, model_path: str, trainable: bool) -> torch.nn.Module:
-        model = DeepseekV4ForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        model.config._attn_implementation = "eager"  # the only attention V4 supports
+        # A native checkpoint in any quant format, dequantized to the training dtype (float32).
+        model = load_native_model(model_path, dtype=torch.float32)
         model.to(self.device)
         # eval(): no dropout, so the trainer's logprobs match the rollout engine's and each other
         model.eval()
@@ -213,13 +213,22 @@ class FSDPTrainEngine:
         ref = batch.ref_logprobs
         if self.ref_model is not None and ref is None:
             ref = self._masked_logprobs(self.ref_model, batch, temp)
-        tis = tis_weights(old, batch.rollout_logprobs, algo.tis.clip) if algo.tis.enabled else None
+        tis, corrections = correction_weights(
+            old,
+            batch.rollout_logprobs,
+            batch.loss_mask,
+            tis_clip=algo.tis.clip if algo.tis.enabled else None,
+            mis_bounds=(algo.mis.low, algo.mis.high) if algo.mis.enabled else None,
+        )
 
         mask = batch.loss_mask
-        # sums over response tokens: [loss, entropy, kl, clipfrac, |old - rollout|, tokens]
-        stats = torch.zeros(6, dtype=torch.float64, device=self.device)
+        # sums over response tokens: [loss, entropy, kl, clipfrac, |old - rollout|, tokens, tis clipped,
+        # mis masked]
+        stats = torch.zeros(8, dtype=torch.float64, device=self.device)
         stats[4] = ((old - batch.rollout_logprobs).abs() * mask).sum()
         stats[5] = mask.sum()
+        stats[6] = corrections["tis_clipped"]
+        stats[7] = corrections["mis_masked"]
         if ref is None:
             stats[2] = (kl_penalty(old, batch.rollout_logprobs, "k3") * mask).sum()
         grad_norms, lrs = [], []
@@ -284,6 +293,8 @@ class FSDPTrainEngine:
             "lr": lrs[-1],
             "logprob_abs_diff": float(stats[4]) / tokens,
             "response_tokens": float(stats[5]),
+            "tis_clip_fraction": float(stats[6]) / tokens,
+            "mis_masked_fraction": float(stats[7]) / tokens,
         }
 
     def _clip_gradients(self) -> float:

@@ -27,7 +27,8 @@ from dsv4rl.reward.graders import Grader, grade_batch
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.generate import generate_samples
 from dsv4rl.rollout.types import Sample
-from dsv4rl.sync.weight_sync import WeightSync
+from dsv4rl.sync.verify import SyncVerifier
+from dsv4rl.sync.weight_sync import SyncStats, WeightSync
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.checkpoint import checkpoint_dir, latest_checkpoint
 
@@ -45,12 +46,15 @@ class Driver:
     tokenizer: object
     metrics_path: Path
     event_loop: asyncio.AbstractEventLoop
+    verifier: SyncVerifier
 
 
 class TrainEngine(Protocol):
     """The seam to the training backend (`fsdp` today; Megatron-core next). All methods are collective."""
 
     def train_step(self, batch: TrainBatch, temperature: float | None = None) -> dict[str, float]: ...
+
+    def compute_logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor: ...
 
     def named_weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
@@ -75,16 +79,40 @@ def shape_rewards(cfg: Config, samples: list[Sample], rewards: list[float]) -> t
     return reward
 
 
+def sync_metrics(stats: SyncStats | None) -> dict[str, float]:
+    """Where one weight sync's time went, for metrics.jsonl."""
+    if stats is None:
+        return {"sync_bytes": 0, "sync_gb_per_s": 0.0}
+    return {
+        "sync_bytes": stats.bytes,
+        "sync_gb_per_s": stats.gb_per_s,
+        "sync_transfer_s": stats.transfer_seconds,
+        "sync_pipeline_s": stats.pipeline_seconds,
+        "sync_control_s": stats.control_seconds,
+    }
+
+
 class RLLoop:
-    def __init__(self, cfg: Config, engine: TrainEngine, run_dir: Path, driver: Driver | None) -> None:
+    """`probe` ([N, L] token ids, the same on every rank) enables the log-prob probe after syncs."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        engine: TrainEngine,
+        run_dir: Path,
+        driver: Driver | None,
+        probe: torch.Tensor | None = None,
+    ) -> None:
         self.cfg = cfg
         self.engine = engine
         self.run_dir = run_dir
         self.driver = driver
+        self.probe = probe
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.checkpoint_root = run_dir / "checkpoints"
         self.writer: MetricsWriter | None = None
+        self.syncs = 0  # weight syncs done by this process (the first one is always verified)
 
     # ----------------------------------------------------------------- setup
     def resume(self) -> int:
@@ -128,11 +156,10 @@ class RLLoop:
                 temperature=self.cfg.algo.sampling.temperature,
             )
         with timer.phase("sync"):
-            sync_stats = self.sync_weights(version=step)
+            sync_stats, verify_metrics = self.sync_weights(version=step)
         if self.driver is not None:
             metrics = {"step": step, **rollout_metrics, **train_metrics, **timer.as_metrics()}
-            metrics["sync_bytes"] = sync_stats.bytes if sync_stats else 0
-            metrics["sync_gb_per_s"] = sync_stats.gb_per_s if sync_stats else 0.0
+            metrics.update(sync_metrics(sync_stats), **verify_metrics)
             self.writer.write(metrics)
 
     # -------------------------------------------------------- rank 0: rollout
@@ -221,14 +248,32 @@ class RLLoop:
         return box[0]
 
     # ------------------------------------------------------------ weight sync
-    def sync_weights(self, version: int):
-        """Every rank takes part in gathering full tensors; rank 0 broadcasts them to the engines."""
+    def sync_weights(self, version: int) -> tuple[SyncStats | None, dict[str, float]]:
+        """Every rank takes part in gathering full tensors; rank 0 broadcasts them to the engines.
+
+        Then, when due (sync.verify), the checks: checksums on rank 0, and the log-prob probe, whose
+        trainer forward is collective. A failed check raises on rank 0 and the run stops.
+        """
+        verify = self.cfg.sync.verify
+        due = self.syncs == 0 or version % max(verify.every_steps, 1) == 0
+        self.syncs += 1
         named = self.engine.named_weights_for_sync()
+        stats = None
         if self.driver is None:
             for _ in named:
                 pass
-            return None
-        return self.driver.sync.push(named, version=str(version))
+        else:
+            stats = self.driver.sync.push(
+                named, version=str(version), record_checksums=due and verify.checksum
+            )
+        metrics: dict[str, float] = {}
+        if due and verify.checksum and self.driver is not None:
+            metrics.update(self.driver.verifier.check_checksums(stats.checksums, version))
+        if due and self.probe is not None:
+            trainer_logprobs = self.engine.compute_logprobs(self.probe, temperature=1.0)
+            if self.driver is not None:
+                metrics.update(self.driver.verifier.check_probe(self.probe, trainer_logprobs, version))
+        return stats, metrics
 
     # ------------------------------------------------------------- checkpoint
     def save_checkpoint(self, step: int) -> None:

@@ -1,7 +1,8 @@
-"""The training rank: `torchrun ... -m dsv4rl.train.worker --config RUN_DIR/config.yaml`.
+"""The training rank: `torchrun ... -m dsv4rl.train.worker --config RUN_DIR/config.yaml [--task align]`.
 
-Sets up the process group, the train engine and (on rank 0) the engines' clients, the weight
-sync, the data and the grader, then hands over to `RLLoop`.
+Sets up the process group, the train engine and (on rank 0) the engines' clients, the weight sync
+(with the wire format of what the engines serve), the data and the grader, then hands over to
+`RLLoop` (`--task train`) or to `run_align` (`--task align`).
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ import torch.distributed as dist
 import transformers
 
 from dsv4rl.config.compose import load_config_file
+from dsv4rl.config.rules_quant import engine_env
 from dsv4rl.config.schema import Config
 from dsv4rl.data.stream import build_prompt_stream
-from dsv4rl.launcher.plan import engine_urls
+from dsv4rl.launcher.plan import engine_urls, source_model_dir
 from dsv4rl.model.tiny import load_tokenizer
 from dsv4rl.reward.graders import get_grader
 from dsv4rl.rollout.client import EngineClient
+from dsv4rl.sync.served_format import check_served_formats
+from dsv4rl.sync.verify import SyncVerifier, probe_sequences
 from dsv4rl.sync.weight_sync import WeightSync
+from dsv4rl.train.align import run_align
 from dsv4rl.train.fsdp_engine import FSDPTrainEngine
 from dsv4rl.train.loop import Driver, RLLoop
 
@@ -75,12 +80,24 @@ def build_driver(
         tokenizer=tokenizer,
         metrics_path=run_dir / "metrics.jsonl",
         event_loop=event_loop,
+        verifier=SyncVerifier(clients, cfg.sync.verify, cfg.quant.name, event_loop),
     )
+
+
+def connect(cfg: Config, driver: Driver, model_path: str) -> None:
+    """Join the weight-update group, then learn what the engines serve: the wire format follows it."""
+    log.info("joining the weight-update group of %d engine(s)", len(driver.clients))
+    driver.sync.connect()
+    driver.sync.wire_format = check_served_formats(
+        driver.clients, cfg.quant, cfg.parallel.rollout.engine, engine_env(cfg), model_path, driver.event_loop
+    )
+    log.info("weights go to the engines as quant=%s", cfg.quant.name.value)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True, help="the resolved config.yaml the launcher wrote")
+    parser.add_argument("--task", choices=("train", "align"), default="train")
     args = parser.parse_args(argv)
     cfg = load_config_file(args.config)
     run_dir = Path(cfg.run.dir)
@@ -105,12 +122,25 @@ def main(argv: list[str] | None = None) -> int:
     event_loop = asyncio.new_event_loop()
     driver = None
     try:
-        engine = FSDPTrainEngine(cfg, model_path, device)
+        # align measures a trainer whose weights are off the engine's quantization grid: the source model
+        trainer_path = (
+            str(source_model_dir(run_dir)) if args.task == "align" and cfg.model.path is None else model_path
+        )
+        engine = FSDPTrainEngine(cfg, trainer_path, device)
         if rank == 0:
             driver = build_driver(cfg, run_dir, model_path, event_loop)
-            log.info("joining the weight-update group of %d engine(s)", len(driver.clients))
-            driver.sync.connect()
-        RLLoop(cfg, engine, run_dir, driver).run()
+            connect(cfg, driver, model_path)
+        if args.task == "align":
+            run_align(cfg, engine, driver, run_dir)
+            return 0
+        verify = cfg.sync.verify
+        probe = None
+        if verify.logprob_probe:
+            config = engine.model.config
+            probe = probe_sequences(
+                config.vocab_size, verify.probe_sequences, verify.probe_length, bos=config.bos_token_id
+            )
+        RLLoop(cfg, engine, run_dir, driver, probe=probe).run()
         log.info("training finished")
         return 0
     finally:

@@ -1,0 +1,199 @@
+"""The weights a rollout engine holds, held the way SGLang holds them, and the rules for replacing them.
+
+SGLang keeps each parameter in the format its checkpoint declared (FP8 e4m3 weights with block scales,
+int8-packed MXFP4 experts, BF16 norms, FP32 mHC ...) and loads an online update by copying into it. When
+the update's dtype differs, SGLang either refuses halfway through a request ("Downcasting not allowed",
+after other tensors of the request were already written) or casts silently, e.g. BF16 into FP8 bytes
+read with the old scales. `HeldWeights` is stricter, so a wrong format is caught on CPU before it
+corrupts an engine: every tensor of a request must have exactly the name, dtype and shape held, a
+quantized weight must come with its scale, and partners SGLang fuses at load must share the request.
+All of it is checked before any byte is received, and a request is written only once it fully arrived.
+
+The engine's forward runs on a float model: after a commit, every changed (weight, scale) pair is
+dequantized into it (`DeepseekWeights`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dsv4rl.model.naming import SCALE_SUFFIX, copy_native_into, scale_name, weight_name_of
+from dsv4rl.quant.formats import dequantize
+from dsv4rl.sync.buckets import dtype_name, pair_key, parse_dtype
+
+__all__ = ["DeepseekWeights", "HeldWeights", "PlannedTensor"]
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor of an accepted update request: what will be received for it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _describe(dtype: torch.dtype | str, shape: Sequence[int]) -> str:
+    name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
+    return f"{name} {list(shape)}"
+
+
+class HeldWeights:
+    """Named tensors in their held dtype; `plan` checks an update request, `commit` writes a received one.
+
+    `apply(held, changed)` runs after each commit with the names written (the engine refreshes its
+    forward model there). `served` describes the format for error messages (e.g. "fp8_mxfp4").
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        apply: Callable[[Mapping[str, torch.Tensor], Iterable[str]], None] | None = None,
+        served: str = "",
+    ) -> None:
+        self._held = {name: tensor.detach() for name, tensor in tensors.items()}
+        self._apply = apply
+        self.served = served
+        self.lock = threading.RLock()
+
+    def state(self) -> Mapping[str, torch.Tensor]:
+        return self._held
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._held
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    # ------------------------------------------------------------------------------------------ checks
+    def plan(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+    ) -> list[PlannedTensor]:
+        """Every check of a request, before anything is received; ValueError names the first problem."""
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(
+                f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) "
+                "must have the same length"
+            )
+        if not names:
+            raise ValueError("the request names no tensors")
+        duplicates = sorted(n for n, count in Counter(names).items() if count > 1)
+        if duplicates:
+            raise ValueError(f"tensor names repeat within one request: {duplicates[:5]}")
+        planned = []
+        for name, dtype_str, shape in zip(names, dtypes, shapes, strict=True):
+            try:
+                dtype = parse_dtype(dtype_str)
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                raise ValueError(f"{name}: shape {list(shape)} must be a list of non-negative integers")
+            held = self._held.get(name)
+            if held is None:
+                examples = ", ".join(list(self._held)[:3])
+                raise ValueError(
+                    f"{name}: the engine holds no tensor of that name (it holds {len(self._held)} tensors "
+                    f"under the checkpoint's native names, e.g. {examples})"
+                )
+            if held.dtype != dtype or tuple(held.shape) != tuple(shape):
+                served = f" (it serves {self.served})" if self.served else ""
+                raise ValueError(
+                    f"{name}: the engine holds {_describe(held.dtype, held.shape)}{served}, the request "
+                    f"sends {_describe(dtype_str, shape)}; nothing was received or written (SGLang would "
+                    "refuse it partway or cast it silently): send the format the engine serves"
+                )
+            planned.append(PlannedTensor(name, dtype, tuple(shape)))
+        self._check_scales(names)
+        check_fused_pairs(names)
+        return planned
+
+    def _check_scales(self, names: Sequence[str]) -> None:
+        """A quantized weight and its scale are one tensor to the engine: both or neither."""
+        sent = set(names)
+        for name in names:
+            if name.endswith(SCALE_SUFFIX):
+                partner = weight_name_of(name)
+            elif name.endswith(".weight") and scale_name(name) in self._held:
+                partner = scale_name(name)
+            else:
+                continue
+            if partner not in sent:
+                raise ValueError(
+                    f"{name} arrived without {partner} in the same request: the engine dequantizes them "
+                    "together, so one of them alone would be read against the other's old value; send both"
+                )
+
+    # ------------------------------------------------------------------------------------------ writes
+    def commit(self, received: Mapping[str, torch.Tensor]) -> None:
+        """Hold a fully received request (its tensors passed `plan`); takes ownership of the tensors."""
+        with self.lock:
+            for name, tensor in received.items():
+                self._held[name] = tensor.detach().to(self._held[name].device)
+            if self._apply is not None:
+                self._apply(self._held, list(received))
+
+    def reset_random(self, skip: Iterable[str] = ()) -> int:
+        """SGLang's weights_checker `reset_tensors`: random values everywhere but names containing `skip`."""
+        skip = list(skip)
+        names = [n for n in self._held if not any(pattern in n for pattern in skip)]
+        self.commit({name: _random_like(self._held[name]) for name in names})
+        return len(names)
+
+
+def _random_like(tensor: torch.Tensor) -> torch.Tensor:
+    """What SGLang's checker writes: uniform [0, 1) for floats, any value of the dtype for integers."""
+    if tensor.dtype.is_floating_point:
+        return torch.rand(tensor.shape).to(tensor.dtype)
+    if tensor.dtype == torch.bool:
+        return torch.rand(tensor.shape) > 0.5
+    info = torch.iinfo(tensor.dtype)
+    return torch.randint(int(info.min), int(info.max), tensor.shape, dtype=tensor.dtype)
+
+
+def check_fused_pairs(names: Sequence[str]) -> None:
+    """SGLang fuses wq_a+wkv and compressor wkv+wgate at load: a request must carry both halves."""
+    members: dict[str, dict[str, set[str]]] = {}
+    for name in names:
+        paired = pair_key(name)
+        if paired is not None and not paired[0].endswith(".wo_a"):  # wo_a pairs with its own scale
+            key, kind, suffix = paired
+            members.setdefault(key, {}).setdefault(kind, set()).add(suffix)
+    for key, kinds in members.items():
+        suffixes = list(kinds.values())
+        if len(kinds) < 2 or any(s != suffixes[0] for s in suffixes):
+            have = {kind: sorted(s) for kind, s in kinds.items()}
+            raise ValueError(
+                f"half of a fused pair in one request: {key} has {have}; SGLang fuses these at load time, so "
+                "send both halves (weight and scale alike) in the same request"
+            )
+
+
+class DeepseekWeights(HeldWeights):
+    """A DeepSeek-V4 checkpoint's tensors as stored, feeding a transformers model that runs the forward."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        stored: Mapping[str, torch.Tensor],
+        block: tuple[int, int],
+        served: str = "",
+    ) -> None:
+        self.model = model
+        self.block = block
+        super().__init__(stored, self._dequantize_into_model, served)
+
+    @torch.no_grad()
+    def _dequantize_into_model(self, held: Mapping[str, torch.Tensor], changed: Iterable[str]) -> None:
+        weights = {weight_name_of(n) if n.endswith(SCALE_SUFFIX) else n for n in changed}
+        state = self.model.state_dict(keep_vars=True)
+        dtype = next(self.model.parameters()).dtype
+        for name in sorted(weights):
+            if name.startswith("mtp."):
+                continue  # the transformers model has no MTP block
+            scale = held.get(scale_name(name)) if name.endswith(".weight") else None
+            copy_native_into(state, name, dequantize(held[name], scale, self.block, dtype))

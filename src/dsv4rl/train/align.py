@@ -1,0 +1,125 @@
+"""`dsv4rl align`: how far the engine's log-probs are from the trainer's, on the engine's own samples.
+
+The worker runs this instead of the RL loop (`--task align`): it pushes the trainer's weights to the
+engines through the real weight sync (quantized on send as the recipe says), lets the engines sample
+responses, recomputes the log-prob of every sampled token with the trainer on exactly the same tokens,
+and writes the distribution of |trainer - engine| to `<run dir>/align.json` (rank 0). This is the
+train-vs-rollout mismatch a GRPO step sees right after a sync; TIS/MIS correct for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsv4rl.algo.mismatch import abs_diff_summary
+from dsv4rl.config.schema import Config
+from dsv4rl.data.datasets import problem_source
+from dsv4rl.data.stream import PromptStream
+from dsv4rl.rollout.generate import generate_samples
+from dsv4rl.train.batch import TrainBatch
+from dsv4rl.train.loop import Driver, TrainEngine, rollout_seed
+
+log = logging.getLogger("dsv4rl.align")
+REPORT_FILE = "align.json"
+
+
+def worst_tokens(
+    batch: TrainBatch, trainer: torch.Tensor, tokenizer: Any, count: int, context_tokens: int = 24
+) -> list[dict[str, Any]]:
+    """The `count` response tokens with the largest |trainer - rollout|, with the text before them."""
+    diff = (trainer.float() - batch.rollout_logprobs.float()).abs() * batch.loss_mask
+    flat = diff.flatten()
+    picked = torch.topk(flat, min(count, int(batch.loss_mask.sum()))).indices.tolist()
+    width = diff.shape[1]
+    out = []
+    for index in picked:
+        row, position = divmod(index, width)
+        ids = batch.input_ids[row].tolist()
+        target = ids[position + 1]
+        start = max(0, position + 1 - context_tokens)
+        out.append(
+            {
+                "abs_diff": float(flat[index]),
+                "trainer_logprob": float(trainer[row, position]),
+                "rollout_logprob": float(batch.rollout_logprobs[row, position]),
+                "sequence": row,
+                "position": position + 1,
+                "token_id": target,
+                "token": tokenizer.decode([target]),
+                "context": tokenizer.decode(ids[start : position + 1]),
+            }
+        )
+    return out
+
+
+def run_align(cfg: Config, engine: TrainEngine, driver: Driver | None, run_dir: Path) -> dict | None:
+    """Collective (every rank recomputes the log-probs); rank 0 returns and writes the report."""
+    stats = None
+    named = engine.named_weights_for_sync()
+    if driver is None:
+        for _ in named:
+            pass
+    else:
+        stats = driver.sync.push(named, version="align", record_checksums=cfg.sync.verify.checksum)
+        if cfg.sync.verify.checksum:
+            driver.verifier.check_checksums(stats.checksums, 0)
+    sampling = cfg.algo.sampling
+    if cfg.align.max_new_tokens is not None:
+        sampling = replace(sampling, max_new_tokens=cfg.align.max_new_tokens)
+    box: list[Any] = [None]
+    if driver is not None:
+        problems = PromptStream(
+            problem_source(cfg.data, cfg.seed), cfg.align.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle
+        ).next_batch()
+        samples = driver.event_loop.run_until_complete(
+            generate_samples(
+                driver.clients,
+                problems,
+                driver.tokenizer,
+                cfg.align.samples_per_prompt,
+                sampling,
+                seed=rollout_seed(cfg.seed, 0),
+            )
+        )
+        box[0] = TrainBatch.from_samples(samples, pad_id=driver.tokenizer.pad_token_id)
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    batch: TrainBatch = box[0]
+    trainer = engine.compute_logprobs(batch.input_ids, temperature=sampling.temperature).float().cpu()
+    if driver is None:
+        return None
+    trainer = trainer * batch.loss_mask  # positions outside the responses carry no rollout log-prob
+    report = {
+        "quant": cfg.quant.name.value,
+        **abs_diff_summary(trainer, batch.rollout_logprobs, batch.loss_mask),
+        "responses": batch.size,
+        "prompts": cfg.align.prompts,
+        "samples_per_prompt": cfg.align.samples_per_prompt,
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "engines": [client.base_url for client in driver.clients],
+        "sync": {
+            "bytes": stats.bytes,
+            "seconds": stats.seconds,
+            "buckets": stats.buckets,
+            "tensors": stats.tensors,
+        },
+        "worst_tokens": worst_tokens(batch, trainer, driver.tokenizer, cfg.align.worst_tokens),
+    }
+    path = run_dir / REPORT_FILE
+    partial = path.with_name(f".{REPORT_FILE}.tmp")
+    partial.write_text(json.dumps(report, indent=2) + "\n")
+    partial.replace(path)
+    log.info(
+        "align (quant=%s): mean |trainer - engine| log-prob %.3g over %d tokens (p99 %.3g, max %.3g)",
+        *(report["quant"], report["mean_abs_diff"], report["tokens"], report["p99_abs_diff"]),
+        report["max_abs_diff"],
+    )
+    return report
