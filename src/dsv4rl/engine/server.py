@@ -82,7 +82,7 @@ class Engine:
         # The forward runs in float32 on the dequantized weights ("auto"), or in the dtype asked for.
         dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
         self.model, stored = load_native_checkpoint(args.model_path, dtype)
-        self.weights = DeepseekWeights(self.model, stored, *served_format(args.model_path))
+        self.weights = DeepseekWeights(self.model, stored, *checkpoint_description(args.model_path))
         self.tokenizer = None
         if not args.skip_tokenizer_init:
             from transformers import AutoTokenizer
@@ -202,14 +202,15 @@ class Engine:
         return info
 
 
-def served_format(model_path: str) -> tuple[tuple[int, int], str]:
-    """(FP8 block size, a description of the format) of the checkpoint the engine starts from."""
+def checkpoint_description(model_path: str) -> tuple[tuple[int, int], str]:
+    """(FP8 block size, what the checkpoint the engine starts from stores, for refusal messages)."""
+    block = block_size(read_config(model_path))
     if not is_native_checkpoint(model_path):
-        return block_size(read_config(model_path)), "a transformers checkpoint"
+        return block, "a transformers checkpoint"
     try:
-        return block_size(read_config(model_path)), checkpoint_format(model_path).describe()
+        return block, checkpoint_format(model_path).describe()
     except CheckpointError as error:
-        return block_size(read_config(model_path)), str(error)
+        return block, str(error)
 
 
 def create_app(model_path: str, *, receiver: Any = None, **kwargs: Any) -> FastAPI:

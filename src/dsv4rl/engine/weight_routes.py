@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from dsv4rl.engine.http_util import Body, read_body
+from dsv4rl.sync.buckets import dtype_name
 from dsv4rl.sync.checksum import checksums, engine_checksum, overall_checksum
 
 if TYPE_CHECKING:
@@ -232,8 +233,11 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
                     f"the checkpoint lacks {len(missing)} tensors the engine holds: {missing[:5]}"
                 )
             tensors = {name: stored[name] for name in names}
-            held.plan(names, [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
-                      [list(t.shape) for t in tensors.values()])  # fmt: skip
+            held.plan(
+                names,
+                [dtype_name(t.dtype) for t in tensors.values()],
+                [list(t.shape) for t in tensors.values()],
+            )
             with generator.exclusive():
                 held.commit(tensors)
                 if body.weight_version is not None:

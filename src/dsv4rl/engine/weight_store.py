@@ -64,12 +64,6 @@ class HeldWeights:
     def state(self) -> Mapping[str, torch.Tensor]:
         return self._held
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._held
-
-    def __len__(self) -> int:
-        return len(self._held)
-
     # ------------------------------------------------------------------------------------------ checks
     def plan(
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]

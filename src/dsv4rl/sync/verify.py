@@ -149,7 +149,7 @@ class SyncVerifier:
                     f"engine {engine_name(client)}: mean |trainer - engine| log-prob {mean:.4g}, max "
                     f"{float(diff.max()):.4g} over {diff.numel()} probe tokens"
                 )
-            worst = max(worst, mean) if not math.isnan(mean) else math.nan
+            worst = max(worst, mean)
         if failures:
             raise SyncVerificationError(
                 f"weight sync of step {step} failed the log-prob probe (bound {self.bound:g} for "

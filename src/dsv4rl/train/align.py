@@ -95,7 +95,6 @@ def run_align(cfg: Config, engine: TrainEngine, driver: Driver | None, run_dir: 
     trainer = engine.compute_logprobs(batch.input_ids, temperature=sampling.temperature).float().cpu()
     if driver is None:
         return None
-    trainer = trainer * batch.loss_mask  # positions outside the responses carry no rollout log-prob
     report = {
         "quant": cfg.quant.name.value,
         **abs_diff_summary(trainer, batch.rollout_logprobs, batch.loss_mask),
