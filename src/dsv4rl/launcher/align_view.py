@@ -7,18 +7,14 @@ from rich.table import Table
 
 
 def render_align(report: dict, console: Console) -> None:
-    summary = Table(title=f"train vs rollout log-probs, quant={report['quant']}", show_header=True)
-    summary.add_column("tokens", justify="right")
+    summary = Table(title=f"|trainer - engine| log-prob, quant={report['quant']}", show_header=False)
+    summary.add_column(style="cyan")
+    summary.add_column(justify="right")
+    summary.add_row("tokens", str(report["tokens"]))
     for key in ("mean", "p50", "p95", "p99", "max"):
-        summary.add_column(f"{key} |diff|", justify="right")
-    summary.add_column("mean diff", justify="right")
-    summary.add_column("KL (k3)", justify="right")
-    summary.add_row(
-        str(report["tokens"]),
-        *(f"{report[f'{key}_abs_diff']:.3g}" for key in ("mean", "p50", "p95", "p99", "max")),
-        f"{report['mean_diff']:+.3g}",
-        f"{report['kl_k3']:.3g}",
-    )
+        summary.add_row(f"{key} |diff|", f"{report[f'{key}_abs_diff']:.3g}")
+    summary.add_row("mean diff (trainer - engine)", f"{report['mean_diff']:+.3g}")
+    summary.add_row("KL(engine || trainer), k3", f"{report['kl_k3']:.3g}")
     console.print(summary)
     console.print(
         f"{report['responses']} responses ({report['prompts']} prompts x {report['samples_per_prompt']}, "
