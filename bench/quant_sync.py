@@ -74,11 +74,7 @@ def synthetic_state(total_mib: int, seed: int) -> dict[str, torch.Tensor]:
 def wire_state(state: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
     from dsv4rl.quant.formats import WireFormat
 
-    wire = WireFormat(mode)
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        out.update(wire.encode(name, tensor))
-    return out
+    return WireFormat(mode).encode_all(state.items())
 
 
 # ---------------------------------------------------------------------------------------------- children

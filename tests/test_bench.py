@@ -14,18 +14,24 @@ BENCH = Path(__file__).resolve().parent.parent / "bench" / "weight_sync.py"
 QUANT_BENCH = BENCH.with_name("quant_sync.py")
 
 
+def run_quick(bench: Path, out: Path, timeout: float) -> subprocess.CompletedProcess:
+    """`python bench/<name>.py --quick --out OUT`; fails the test with the bench's output when it fails."""
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_weight_sync_bench_quick(tmp_path: Path) -> None:
     out = tmp_path / "weight_sync.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=40,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_quick(BENCH, out, timeout=40)
     result = json.loads(out.read_text())
 
     meta = result["meta"]
@@ -53,14 +59,7 @@ def test_weight_sync_bench_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_quant_sync_bench_quick(tmp_path: Path) -> None:
     out = tmp_path / "quant_sync.json"
-    proc = subprocess.run(
-        [sys.executable, str(QUANT_BENCH), "--quick", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_quick(QUANT_BENCH, out, timeout=100)
     result = json.loads(out.read_text())
     assert result["meta"]["mode"] == "quick" and result["memcpy"]["gb_per_s"] > 0
     raw = result["raw_broadcast"]

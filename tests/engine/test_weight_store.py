@@ -16,10 +16,7 @@ NAME = "layers.1.ffn.experts.2.w2.weight"
 
 
 def encoded(model: torch.nn.Module, mode: QuantMode) -> dict[str, torch.Tensor]:
-    wire, out = WireFormat(mode), {}
-    for name, tensor in state_dict_to_native(model.state_dict()):
-        out.update(wire.encode(name, tensor.detach()))
-    return out
+    return WireFormat(mode).encode_all(state_dict_to_native(model.state_dict()))
 
 
 @pytest.fixture

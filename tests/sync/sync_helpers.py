@@ -59,11 +59,7 @@ def wire_tensors(model: torch.nn.Module, quant: str = "none") -> dict[str, torch
     from dsv4rl.model.naming import state_dict_to_native
     from dsv4rl.quant.formats import WireFormat
 
-    wire = WireFormat(quant)
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state_dict_to_native(model.state_dict()):
-        out.update(wire.encode(name, tensor.detach()))
-    return out
+    return WireFormat(quant).encode_all(state_dict_to_native(model.state_dict()))
 
 
 def quantized_copy(model: torch.nn.Module, quant: str, directory: Path) -> torch.nn.Module:

@@ -75,10 +75,8 @@ def write_native_checkpoint(
     """`model` as a native checkpoint in `wire_format` (one safetensors file and config.json)."""
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in state_dict_to_native(model.state_dict()):
-        for wire_name, wire in wire_format.encode(name, tensor.detach()):
-            tensors[wire_name] = wire.contiguous().clone()  # expert slices are views of one HF tensor
+    encoded = wire_format.encode_all(state_dict_to_native(model.state_dict()))
+    tensors = {name: t.contiguous().clone() for name, t in encoded.items()}  # experts are views of one tensor
     save_file(tensors, str(target / WEIGHTS_FILE), metadata={"format": "pt"})
     config = model.config.to_dict()
     config["architectures"] = [ARCHITECTURE]

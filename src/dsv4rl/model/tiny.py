@@ -118,7 +118,7 @@ def load_model(model_config: ModelConfig, vocab_size: int | None = None) -> Deep
     return load_native_model(model_config.path, dtype)
 
 
-def wire_format_for(quant: QuantConfig) -> WireFormat:
+def checkpoint_wire_format(quant: QuantConfig) -> WireFormat:
     """The format a checkpoint of `quant` is written in (expert scales E8M0, like the release, unless set)."""
     scale = torch.float32 if quant.expert_scale_dtype == ExpertScaleDtype.float32 else torch.float8_e8m0fnu
     return WireFormat(quant.name, tuple(quant.block_size), scale)
@@ -148,7 +148,7 @@ def materialize_model(model_config: ModelConfig, directory: str, quant: QuantCon
     if partial.exists():
         shutil.rmtree(partial)  # a build interrupted earlier
     transformers_logging.disable_progress_bar()  # the supervisor's own display is on screen
-    write_native_checkpoint(model, partial, wire_format_for(quant))
+    write_native_checkpoint(model, partial, checkpoint_wire_format(quant))
     tokenizer.save_pretrained(partial)
     (partial / MANIFEST_FILE).write_text(_manifest(model_config, quant))
     partial.rename(target)

@@ -19,6 +19,7 @@ Expert scales are E8M0 unless the engine holds them as float32 (`expert_scale_dt
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,13 @@ class WireFormat:
         else:
             weight, scale = quantize_mxfp4(tensor, self.expert_scale_dtype)
         return [(name, weight), (scale_name(name), scale)]
+
+    def encode_all(self, named: Iterable[NamedTensor]) -> dict[str, Tensor]:
+        """{wire name: tensor} for a stream of native tensors (a checkpoint, or what an engine holds)."""
+        out: dict[str, Tensor] = {}
+        for name, tensor in named:
+            out.update(self.encode(name, tensor.detach()))
+        return out
 
 
 def dequantize(
