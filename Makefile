@@ -3,18 +3,39 @@
 VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
 PYTHON ?= python3
 PY := $(VENV)/bin/python
-# The CPU build of torch (pip takes it from the local wheel cache where there is one).
-TORCH_SPEC ?= torch==2.13.0
+# torch: the CPU build for the demo, tests and CI; `make install GPU=1` takes SGLang 0.5.23's torch
+# (a CUDA build of several GB), which the trainer must share with the engines' weight-update group.
+# ROCm: `make install GPU=1 TORCH_INDEX=https://download.pytorch.org/whl/rocm6.4`.
+CPU_TORCH_SPEC ?= torch==2.13.0
+GPU_TORCH_SPEC ?= torch==2.14.1
+TORCH_SPEC ?= $(if $(GPU),$(GPU_TORCH_SPEC),$(CPU_TORCH_SPEC))
+TORCH_INDEX ?=
+# SGLang in its own environment: it pins transformers 5.19 and torch 2.14.1, the trainer needs transformers 5.23.
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_VENV ?= .venv-sglang
 
-.PHONY: install test test-fast lint demo bench bench-quant clean
+.PHONY: install install-sglang sglang-contract test test-fast lint demo bench bench-quant clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 install: $(PY)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e ".[dev]"
+
+# The engines' interpreter (engine.python): SGLang with exactly its own pins; not part of `make install` or CI.
+install-sglang:
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install "$(SGLANG_SPEC)"
+
+# Re-read SGLang's HTTP routes, request fields, sampling keys and server flags from its released wheel
+# (downloaded, never installed) into src/dsv4rl/engine/sglang_contract.json; then `make test` says what moved.
+sglang-contract:
+	rm -rf build/sglang-wheel
+	$(PY) -m pip download --no-deps --quiet -d build/sglang-wheel "$(SGLANG_SPEC)"
+	$(PY) -m dsv4rl.engine.sglang_contract build/sglang-wheel/sglang-*.whl
 
 test:
 	$(PY) -m pytest -q

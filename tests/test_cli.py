@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -105,9 +107,76 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+def fake_interpreter(tmp_path: Path, torch: str, sglang: str | None = "0.5.23") -> Path:
+    """An executable that answers dsv4rl's interpreter probe as an SGLang environment would."""
+    from dsv4rl.launcher.engine_python import _PROBE_MARK
+
+    answer = json.dumps({"executable": "fake", "python": "3.11.7", "torch": torch, "sglang": sglang})
+    path = tmp_path / "python"
+    path.write_text(f"#!/bin/sh\necho '{_PROBE_MARK}{answer}'\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_plan_refuses_an_sglang_interpreter_that_cannot_serve_the_run(tmp_path: Path) -> None:
+    from dsv4rl.launcher.engine_python import probe_interpreter, trainer_torch
+
+    probe_interpreter.cache_clear()
+    for name in ("other_torch", "old_sglang", "good"):
+        (tmp_path / name).mkdir()
+    other_torch = fake_interpreter(tmp_path / "other_torch", torch="2.99.0")
+    old_sglang = fake_interpreter(tmp_path / "old_sglang", torch=trainer_torch(), sglang="0.5.22")
+    cases = {
+        str(tmp_path / "missing" / "python"): "cannot run (no such file)",
+        sys.executable: "sglang is not installed",  # the trainer's own environment has no SGLang
+        str(other_torch): f"runs torch 2.99.0 but the trainer runs torch {trainer_torch()}",
+        str(old_sglang): "has sglang 0.5.22, but dsv4rl's engine contract is pinned to 0.5.23",
+    }
+    for python, message in cases.items():
+        result = runner.invoke(
+            app, ["plan", "recipe=dapo_math", "--all-nodes", *DAPO_ADDRS, f"engine.python={python}"]
+        )
+        assert result.exit_code == 2, result.output
+        assert message in " ".join(result.output.split()) and "--skip-engine-check" in result.output
+        skipped = runner.invoke(
+            app,
+            [
+                "plan",
+                "recipe=dapo_math",
+                "--all-nodes",
+                *DAPO_ADDRS,
+                f"engine.python={python}",
+                "--skip-engine-check",
+            ],
+        )
+        assert skipped.exit_code == 0, skipped.output
+    good = fake_interpreter(tmp_path / "good", torch=trainer_torch())
+    plan = plan_json("recipe=dapo_math", "--all-nodes", *DAPO_ADDRS, f"engine.python={good}")
+    assert plan["engine"]["python"] == str(good)
+    assert plan["nodes"][2]["processes"][0]["argv"][0] == str(good)
+
+
+def test_train_refuses_a_missing_sglang_interpreter_before_anything_starts(
+    supervisor: list[Config], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dsv4rl.cli.validate", lambda cfg, check_paths: None)  # a CPU machine: no GPUs
+    result = runner.invoke(
+        app,
+        [
+            "train", "recipe=tiny_arith", "parallel.rollout.engine=sglang", f"run.dir={tmp_path / 'run'}",
+            f"engine.python={tmp_path / 'nope'}",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 2 and "cannot run (no such file)" in result.output
+    assert supervisor == [] and not (tmp_path / "run").exists()
+
+
 def test_plan_dapo_math_all_nodes(supervisor: list[Config]) -> None:
-    plan = plan_json("recipe=dapo_math", "--all-nodes", *DAPO_ADDRS)
+    plan = plan_json("recipe=dapo_math", "--all-nodes", *DAPO_ADDRS, "--skip-engine-check")
     assert supervisor == []  # nothing started
+    assert plan["engine"]["python"].endswith(".venv-sglang/bin/python")
+    assert plan["engine"]["admin_key_file"].endswith("runs/dapo_math/engine-admin-key.yaml")
+    assert plan["engine"]["weight_sync_timeout_s"] == 1800.0
     nodes = plan["nodes"]
     assert [n["node"] for n in nodes] == [0, 1, 2, 3] and plan["nnodes"] == 4
     assert (
@@ -130,7 +199,12 @@ def test_plan_dapo_math_all_nodes(supervisor: list[Config]) -> None:
             30001,
         ]
         for e in engines:
-            assert e["argv"][1:3] == ["-m", "sglang.launch_server"]
+            assert (
+                e["argv"][1:3] == ["-m", "sglang.launch_server"] and e["python"] == plan["engine"]["python"]
+            )
+            assert _flag(e["argv"], "--config") == plan["engine"]["admin_key_file"]
+            assert e["env"]["DSV4RL_WEIGHT_SYNC_TIMEOUT_S"] == "1800"
+            assert e["env"]["PYTHONPATH"].endswith("engine/sglang_site")
             assert (_flag(e["argv"], "--tp-size"), _flag(e["argv"], "--ep-size")) == ("4", "4")
             assert _flag(e["argv"], "--host") == "0.0.0.0"
             assert e["env"]["NCCL_MIN_NCHANNELS"] == "16" and "SGLANG_DSV4_FP4_EXPERTS" not in e["env"]

@@ -27,6 +27,8 @@ def test_wheel_ships_recipes_and_finds_them(tmp_path: Path) -> None:
     assert "dsv4rl/recipes/tiny_arith.yaml" in names
     assert "dsv4rl/recipes/dapo_math.yaml" in names
     assert "dsv4rl/recipes/comm/rccl_mi355x.yaml" in names
+    assert "dsv4rl/engine/sglang_contract.json" in names  # the tests and the planner read it
+    assert "dsv4rl/engine/sglang_site/sitecustomize.py" in names  # SGLang engines' PYTHONPATH
 
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -24,6 +24,7 @@ from dsv4rl.config.compose import (
     list_recipes,
     to_yaml,
 )
+from dsv4rl.config.schema import Config
 from dsv4rl.config.validate import validate
 
 app = typer.Typer(
@@ -66,6 +67,18 @@ def _split_recipe(args: list[str]) -> tuple[str, list[str]]:
     return recipes[0].removeprefix("recipe="), rest
 
 
+def _check_engine_python(cfg: Config, nodes: list[int] | None = None, hint: str = "") -> None:
+    """Refuse a recipe whose SGLang interpreter cannot serve this run (missing, no sglang, another torch)."""
+    from dsv4rl.launcher.engine_python import check_engine_python
+
+    problems = check_engine_python(cfg, nodes)
+    if problems:
+        text = problems[0]
+        if len(problems) > 1:
+            text = "the SGLang interpreter cannot serve this run:\n" + "\n".join(f"  - {p}" for p in problems)
+        raise ConfigError(f"recipe {cfg.recipe!r}: {text}{hint}", problems)
+
+
 # `recipe=NAME` then Hydra overrides: every command that takes a recipe takes them the same way.
 RecipeArgs = Annotated[
     list[str] | None,
@@ -97,6 +110,7 @@ def train(
             validate(cfg, check_paths=False)
             raise typer.Exit(code=0)
         validate(cfg, check_paths=True)
+        _check_engine_python(cfg)
     except ConfigError as exc:
         raise _fail(str(exc)) from None
 
@@ -131,6 +145,7 @@ def align_command(
         cfg = compose(recipe, overrides)
         cfg.run.dir = str(Path(cfg.run.dir) / "align" / cfg.quant.name.value)
         validate(cfg, check_paths=True)
+        _check_engine_python(cfg)
     except ConfigError as exc:
         raise _fail(str(exc)) from None
 
@@ -166,6 +181,14 @@ def plan_command(
     ] = None,
     all_nodes: Annotated[bool, typer.Option("--all-nodes", help="Show every node of the cluster.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    skip_engine_check: Annotated[
+        bool,
+        typer.Option(
+            "--skip-engine-check",
+            help="Do not probe engine.python (on a machine that is not a cluster node, where the SGLang "
+            "environment is not installed).",
+        ),
+    ] = False,
 ) -> None:
     """Show the processes each node would start (commands, env, ports, GPUs), without starting anything."""
     try:
@@ -180,6 +203,13 @@ def plan_command(
     nodes = list(range(nnodes)) if all_nodes else [cfg.cluster.node_rank if node_rank is None else node_rank]
     if not all(0 <= n < nnodes for n in nodes):
         raise _fail(f"--node-rank {nodes[0]} is outside 0..{nnodes - 1} (cluster.nnodes={nnodes})")
+    if not skip_engine_check:
+        from dsv4rl.launcher.engine_python import SKIP_HINT
+
+        try:
+            _check_engine_python(cfg, nodes, hint=f" {SKIP_HINT}")
+        except ConfigError as exc:
+            raise _fail(str(exc)) from None
     try:  # what `dsv4rl train` would refuse on this machine: shown, not fatal
         validate(cfg, check_paths=True)
         warnings: list[str] = []

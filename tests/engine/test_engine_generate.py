@@ -128,9 +128,32 @@ def test_fixed_seed_gives_fixed_outputs(make_client):
     assert ids(runs_a)[0] != ids(runs_a)[1], "the per-request counter must move the stream on"
     other = make_client(random_seed=8)
     assert ids([sampled(other)])[0] != ids(runs_a)[0]
-    # sampling_seed pins a request's stream regardless of what ran before it.
+
+
+def test_sampling_seed_is_ignored_without_deterministic_inference(make_client):
+    """SGLang 0.5.23 builds no seed tensor unless --enable-deterministic-inference is on."""
+    client = make_client(random_seed=7)
+    seeded = [sampled(client, {"sampling_seed": 99})[0]["output_ids"] for _ in range(2)]
+    assert seeded[0] != seeded[1]
+
+
+def test_deterministic_inference_honours_the_seed_and_shares_it_across_n(make_client):
+    first, other = (
+        make_client(random_seed=7, enable_deterministic_inference=True),
+        make_client(random_seed=8, enable_deterministic_inference=True),
+    )
     seeded = [sampled(first, {"sampling_seed": 99})[0]["output_ids"] for _ in range(2)]
     assert seeded[0] == seeded[1] == sampled(other, {"sampling_seed": 99})[0]["output_ids"]
+    assert sampled(first, {"sampling_seed": 100})[0]["output_ids"] != seeded[0]
+    # One seed for n samples: identical samples (what per-sample requests avoid).
+    params = {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True, "n": 4, "sampling_seed": 5}
+    outputs = generate(first, input_ids=[5, 6, 7], sampling_params=params)
+    assert len({tuple(o["output_ids"]) for o in outputs}) == 1
+    # No seed at all: SGLang uses 42 for every request.
+    unseeded = {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+    a = generate(first, input_ids=[5, 6, 7], sampling_params=unseeded)["output_ids"]
+    b = generate(first, input_ids=[5, 6, 7], sampling_params={**unseeded, "sampling_seed": 42})["output_ids"]
+    assert a == b
 
 
 def full_forward_logprobs(model, ids: list[int], temperature: float = 1.0) -> torch.Tensor:

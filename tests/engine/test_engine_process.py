@@ -9,6 +9,9 @@ import sys
 import time
 
 import httpx
+import pytest
+
+from dsv4rl.launcher.admin_key import KEY_ENV, ensure_admin_key_file
 
 
 def free_port() -> int:
@@ -18,11 +21,13 @@ def free_port() -> int:
 
 
 def test_server_process(model_dir, tmp_path):
+    """Started as the planner starts it on a cluster: the admin key from a --config file (SGLang's form)."""
     port = free_port()
     log = tmp_path / "engine.log"
+    key_file = ensure_admin_key_file(tmp_path, env={KEY_ENV: "from-the-file"})
     command = [
         sys.executable, "-m", "dsv4rl.engine", "--model-path", model_dir, "--port", str(port),
-        "--num-threads", "1", "--random-seed", "3", "--weight-version", "w0",
+        "--num-threads", "1", "--random-seed", "3", "--weight-version", "w0", "--config", str(key_file),
     ]  # fmt: skip
     with open(log, "w") as out:
         process = subprocess.Popen(
@@ -47,6 +52,10 @@ def test_server_process(model_dir, tmp_path):
         out = httpx.post(f"{url}/generate", json=body, timeout=30).json()
         assert [len(o["output_ids"]) for o in out] == [4, 4]
         assert out[0]["meta_info"]["weight_version"] == "w0"
+        assert httpx.post(f"{url}/flush_cache", timeout=30).status_code == 401
+        admin = {"Authorization": "Bearer from-the-file"}
+        assert httpx.post(f"{url}/flush_cache", headers=admin, timeout=30).status_code == 200
+        assert httpx.get(f"{url}/server_info", timeout=30).json()["admin_api_key"] == "***"
         assert "The server is fired up and ready to roll!" in log.read_text()
     finally:
         process.terminate()
@@ -55,3 +64,16 @@ def test_server_process(model_dir, tmp_path):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=15)
+
+
+def test_config_file_flags_merge_like_sglang(tmp_path):
+    from dsv4rl.engine.__main__ import parse_args
+
+    config = tmp_path / "flags.yaml"
+    config.write_text("admin_api_key: k\nrandom_seed: 5\nenable_deterministic_inference: true\n")
+    args = parse_args(["--model-path", "m", "--config", str(config), "--random-seed", "9"])
+    assert args["admin_api_key"] == "k" and args["enable_deterministic_inference"] is True
+    assert args["random_seed"] == 9  # the command line wins over the file
+    config.write_text("no_such_flag: 1\n")
+    with pytest.raises(SystemExit, match="unknown option 'no_such_flag'"):
+        parse_args(["--model-path", "m", "--config", str(config)])

@@ -191,3 +191,39 @@ def test_reset_tensors_then_compare_catches_every_tensor(client):
     held = client.app.state.engine.weights.state()
     assert "tid2eid" not in compare.json()["message"]
     assert len(held) > 100
+
+
+def test_without_the_admin_key_no_update_gets_through(make_client, tmp_path):
+    """An engine started with --admin-api-key: weight pushes without the key are refused and change nothing;
+    with it they go through (the same routes SGLang 0.5.23 guards)."""
+    fake = RecordingReceiver()
+    client = make_client(admin_api_key="k3y", receiver=fake)
+    admin = {"Authorization": "Bearer k3y"}
+    checksum = lambda: client.post(  # noqa: E731
+        "/weights_checker", json={"action": "checksum"}, headers=admin
+    ).json()["per_engine_checksum"]
+    before = checksum()
+    other = materialize_model(ModelConfig(init_seed=1), str(tmp_path / "other"))
+    for path, body in [
+        ("/begin_weight_update", {}),
+        ("/update_weights_from_distributed", UPDATE),
+        ("/update_weights_from_disk", {"model_path": other}),
+        ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                        "world_size": 2}),
+        ("/pause_generation", {"mode": "abort"}),
+        ("/weights_checker", {"action": "reset_tensors"}),
+    ]:  # fmt: skip
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = client.post(path, json=body, headers=headers)
+            assert response.status_code == 401 and response.json() == {"error": "Unauthorized"}, path
+    assert fake.calls == [] and checksum() == before
+    assert client.get("/model_info").json()["weight_version"] == "default"
+    assert client.get("/health_generate").status_code == 200  # probes stay open, generation too
+    assert (
+        client.post(
+            "/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 1}}
+        ).status_code
+        == 200
+    )
+    response = client.post("/update_weights_from_disk", json={"model_path": other}, headers=admin)
+    assert response.status_code == 200 and checksum() != before

@@ -23,6 +23,7 @@ from dsv4rl.launcher.plan import build_local_plan, engine_urls, remote_engine_he
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "launch" / "slurm" / "dapo_math_4node.sbatch"
 LOCAL = ROOT / "launch" / "local_cpu.sh"
+GPU_CHECK = ROOT / "launch" / "gpu_check.sh"
 HOSTS = ["gpu-a01", "gpu-a02", "gpu-a03", "gpu-a04"]
 
 FAKE_DSV4RL = f"""#!{sys.executable}
@@ -51,7 +52,7 @@ def _fake_bin(tmp_path: Path) -> Path:
     return bin_dir
 
 
-@pytest.mark.parametrize("script", [SBATCH, LOCAL], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [SBATCH, LOCAL, GPU_CHECK], ids=lambda p: p.name)
 def test_scripts_are_valid_bash(script: Path) -> None:
     assert os.access(script, os.X_OK), f"{script} is not executable"
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
@@ -146,3 +147,29 @@ def test_local_cpu_script_runs_tiny_arith(tmp_path: Path) -> None:
     cfg = compose(recipe, overrides)
     validate(cfg, check_paths=True)
     assert (argv[0], cfg.recipe, cfg.run.dir, cfg.train.steps) == ("train", "tiny_arith", "runs/x", 3)
+
+
+def test_gpu_check_dry_run_plans_one_sglang_engine_per_format(tmp_path: Path) -> None:
+    """Without a GPU the check validates and plans each run: real SGLang flags, the tiny FP8-expert
+    checkpoint's environment, the engine interpreter; on a GPU the same arguments go to `dsv4rl align`."""
+    env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "OUT": str(tmp_path / "out"),
+        "PYTHON": sys.executable,
+        "DSV4RL": str(Path(sys.executable).with_name("dsv4rl")),
+        "SGLANG_PYTHON": "/opt/sglang/bin/python",
+    }
+    result = subprocess.run(["bash", str(GPU_CHECK)], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["dry_run"] is True and list(report["formats"]) == ["bf16", "fp8_rollout", "fp8_mxfp4"]
+    for name, entry in report["formats"].items():
+        argv = entry["engine_argv"]
+        assert entry["ok"] and entry["warnings"] == [], (name, entry)
+        assert argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
+        assert "--enable-deterministic-inference" in argv
+    assert report["formats"]["fp8_rollout"]["engine_env"] == {
+        "SGLANG_OPT_FP8_WO_A_GEMM": "0",
+        "SGLANG_DSV4_FP4_EXPERTS": "0",
+    }

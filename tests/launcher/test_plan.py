@@ -10,13 +10,17 @@ import pytest
 
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config, RolloutEngineKind
+from dsv4rl.launcher.admin_key import KEY_FILE_ENV
 from dsv4rl.launcher.plan import (
     ENGINE_URLS_ENV,
+    SGLANG_SITE,
+    WEIGHT_SYNC_TIMEOUT_ENV,
     PortInUse,
     build_local_plan,
     check_ports,
     engine_placement,
     engine_urls,
+    planned_ports,
     port_is_free,
     remote_engine_health,
 )
@@ -259,3 +263,72 @@ def test_single_node_urls_unchanged():
     assert engine_urls(cfg)[1] == "http://10.1.2.3:30001"
     (trainer,) = [s for s in build_local_plan(cfg, RUN, base_env={}) if s.role == "trainer"]
     assert trainer.argv[-1] == "/runs/r1/config.yaml" and trainer.log_path.name == "trainer.log"
+
+
+# --- SGLang's environment, seeds, admin key, timeouts, attention-DP ports -------------------------------
+def test_sglang_engines_run_in_engine_python_with_the_timeout_hook(tmp_path):
+    cfg = Config()
+    cfg.parallel.rollout.engine = RolloutEngineKind.sglang
+    cfg.engine.python = str(tmp_path / "sglang-env" / "bin" / "python")
+    cfg.sync.timeout_s = 321.0
+    (engine, trainer) = build_local_plan(cfg, RUN, base_env={"PYTHONPATH": "/site"})
+    assert engine.argv[:3] == [cfg.engine.python, "-m", "sglang.launch_server"]
+    assert engine.env[WEIGHT_SYNC_TIMEOUT_ENV] == "321"
+    assert engine.env["PYTHONPATH"] == f"{SGLANG_SITE}:/site"
+    assert trainer.argv[0] == sys.executable  # the trainer stays in dsv4rl's environment
+    cfg.parallel.rollout.engine = RolloutEngineKind.reference
+    (engine, _) = build_local_plan(cfg, RUN, base_env={})
+    assert engine.argv[0] == sys.executable and engine.env[WEIGHT_SYNC_TIMEOUT_ENV] == "321"
+    assert "PYTHONPATH" not in engine.env
+
+
+@pytest.mark.parametrize("kind", ["reference", "sglang"])
+def test_reproducible_sampling_turns_on_deterministic_inference(kind):
+    cfg = Config()
+    cfg.parallel.rollout.engine = kind
+    assert "--enable-deterministic-inference" not in build_local_plan(cfg, RUN, base_env={})[0].argv
+    cfg.engine.reproducible_sampling = True
+    assert "--enable-deterministic-inference" in build_local_plan(cfg, RUN, base_env={})[0].argv
+
+
+@pytest.mark.parametrize("kind", ["reference", "sglang"])
+def test_engines_beyond_loopback_get_the_admin_key_file(kind):
+    cfg = Config()
+    cfg.parallel.rollout.engine = kind
+    engine, trainer = build_local_plan(cfg, RUN, base_env={})
+    assert "--config" not in engine.argv and KEY_FILE_ENV not in trainer.env
+    cfg.engine.host = "0.0.0.0"
+    engine, trainer = build_local_plan(cfg, RUN, base_env={})
+    key_file = str(RUN / "engine-admin-key.yaml")
+    assert engine.argv[engine.argv.index("--config") + 1] == key_file
+    assert "secret" not in " ".join(engine.argv) and "--admin-api-key" not in engine.argv
+    assert trainer.env[KEY_FILE_ENV] == key_file
+
+
+def test_attention_dp_engines_on_one_node_never_share_a_port():
+    cfg = Config()
+    ro = cfg.parallel.rollout
+    ro.engine, ro.num_engines, ro.gpus_per_engine, ro.tensor_parallel, ro.data_parallel = "sglang", 4, 2, 2, 2
+    cfg.cluster.gpus_per_node, cfg.parallel.train.nproc_per_node = 8, 1
+    cfg.parallel.colocate = True
+    engines = [s for s in build_local_plan(cfg, RUN, base_env={}) if s.role == "engine"]
+    ports = [int(s.argv[s.argv.index("--port") + 1]) for s in engines]
+    assert ports == [30000, 30010, 30020, 30030]
+    assert engine_urls(cfg)[1] == "http://127.0.0.1:30010"
+    planned = planned_ports(cfg)
+    assert len({p.port for p in planned}) == len(planned)  # no port twice
+    for port in ports:  # SGLang's ZMQ ports of each engine are reserved
+        assert {port + extra for extra in range(233, 241)} <= {p.port for p in planned}
+    ro.data_parallel = 1
+    assert [p.port for p in planned_ports(cfg) if "engine" in p.what] == [30000, 30001, 30002, 30003]
+
+
+def test_a_busy_attention_dp_port_is_named(monkeypatch):
+    cfg = Config()
+    ro = cfg.parallel.rollout
+    ro.engine, ro.data_parallel = "sglang", 2
+    cfg.engine.port = free_port()
+    busy = cfg.engine.port + 235
+    monkeypatch.setattr("dsv4rl.launcher.plan.port_is_free", lambda host, port: port != busy)
+    with pytest.raises(PortInUse, match=rf"port {busy} .*attention DP, port \+ 235.*engine.port="):
+        check_ports(cfg)

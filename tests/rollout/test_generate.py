@@ -1,8 +1,10 @@
-"""generate_samples against the real reference engine (in-process), through the real client."""
+"""generate_samples against the real reference engine (in-process, with SGLang's deterministic inference
+on, as the planner starts it for reproducible sampling), through the real client."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -13,7 +15,7 @@ from dsv4rl.config.schema import ModelConfig, SamplingConfig
 from dsv4rl.data.problems import Problem
 from dsv4rl.model.tiny import load_tokenizer, materialize_model
 from dsv4rl.rollout.client import EngineClient
-from dsv4rl.rollout.generate import encode_prompt, generate_samples, sampling_params
+from dsv4rl.rollout.generate import encode_prompt, generate_samples, sample_seed, sampling_params
 
 PROBLEMS = [Problem("1+2=", "3", "1+2"), Problem("3+3=", "6", "3+3"), Problem("0+1=", "1", "0+1")]
 
@@ -24,14 +26,18 @@ def engine(tmp_path_factory):
     from dsv4rl.engine.server import create_app
 
     path = materialize_model(ModelConfig(), str(tmp_path_factory.mktemp("generate") / "tiny"))
-    with TestClient(create_app(path, random_seed=7, num_threads=1)) as client:
+    with TestClient(
+        create_app(path, random_seed=7, num_threads=1, enable_deterministic_inference=True)
+    ) as client:
         assert client.app.state.engine.ready.wait(30)
         yield client
     torch.set_num_threads(threads)
 
 
-def clients_for(engine: TestClient, count: int) -> list[EngineClient]:
+def clients_for(engine: TestClient, count: int, bodies: list | None = None) -> list[EngineClient]:
     def forward(request: httpx.Request) -> httpx.Response:
+        if bodies is not None:
+            bodies.append(json.loads(request.content))
         response = engine.request(
             request.method, request.url.path, content=request.content, headers=request.headers
         )
@@ -43,12 +49,11 @@ def clients_for(engine: TestClient, count: int) -> list[EngineClient]:
     ]
 
 
-def run(engine: TestClient, engines: int, seed: int | None, max_new_tokens: int = 3):
+def run(engine: TestClient, engines: int, seed: int | None, max_new_tokens: int = 3, bodies=None):
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens)
     tokenizer = load_tokenizer(ModelConfig())
-    return asyncio.run(
-        generate_samples(clients_for(engine, engines), PROBLEMS, tokenizer, 4, sampling, seed=seed)
-    )
+    clients = clients_for(engine, engines, bodies)
+    return asyncio.run(generate_samples(clients, PROBLEMS, tokenizer, 4, sampling, seed=seed))
 
 
 def test_samples_are_prompt_major_with_one_logprob_per_token(engine) -> None:
@@ -68,9 +73,42 @@ def test_samples_are_prompt_major_with_one_logprob_per_token(engine) -> None:
 def test_a_seed_fixes_the_samples_however_many_engines(engine) -> None:
     one = [sample.response_ids for sample in run(engine, engines=1, seed=5)]
     again = [sample.response_ids for sample in run(engine, engines=1, seed=5)]
+    split = [sample.response_ids for sample in run(engine, engines=2, seed=5)]
     other = [sample.response_ids for sample in run(engine, engines=1, seed=6)]
-    assert one == again
+    assert one == again == split
     assert one != other
+
+
+def test_seeded_samples_of_one_prompt_differ(engine) -> None:
+    """Against an engine with deterministic inference, one seed for `n` samples gives `n` copies: every
+    GRPO group would have zero advantage. The per-sample form must not."""
+    samples = run(engine, engines=1, seed=5, max_new_tokens=6)
+    for group in range(len(PROBLEMS)):
+        responses = {tuple(s.response_ids) for s in samples if s.group == group}
+        assert len(responses) > 1, f"group {group}: all samples identical"
+
+
+def test_seeded_rollouts_send_one_item_per_sample_each_with_its_seed(engine) -> None:
+    bodies: list[dict] = []
+    run(engine, engines=2, seed=5, bodies=bodies)
+    items = [item for body in bodies for item in zip(body["input_ids"], body["sampling_params"], strict=True)]
+    assert len(items) == len(PROBLEMS) * 4
+    assert all(params["n"] == 1 for _, params in items)
+    seeds = [params["sampling_seed"] for _, params in items]
+    assert seeds == [sample_seed(5, p, k) for p in range(len(PROBLEMS)) for k in range(4)]
+    assert len(set(seeds)) == len(seeds)
+    tokenizer = load_tokenizer(ModelConfig())
+    assert [ids for ids, _ in items] == [
+        encode_prompt(tokenizer, p.prompt) for p in PROBLEMS for _ in range(4)
+    ]
+
+
+def test_unseeded_rollouts_send_no_seed_and_n_per_prompt(engine) -> None:
+    bodies: list[dict] = []
+    samples = run(engine, engines=1, seed=None, bodies=bodies)
+    (body,) = bodies
+    assert body["sampling_params"]["n"] == 4 and "sampling_seed" not in body["sampling_params"]
+    assert len(body["input_ids"]) == len(PROBLEMS) and len(samples) == len(PROBLEMS) * 4
 
 
 def test_sampling_params_use_only_sglang_keys() -> None:

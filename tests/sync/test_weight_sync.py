@@ -9,6 +9,7 @@ incl. the int64 tid2eid tables, FP8 bytes and scales), and it computes the log-p
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -17,6 +18,7 @@ import torch
 from sync_helpers import TRAINER_SEED, free_port, quantized_copy, trainer_model, wire_tensors
 
 from dsv4rl.config.schema import QuantConfig, QuantMode, RolloutEngineKind, SyncConfig
+from dsv4rl.engine.sglang_contract import load_contract, request_problems
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.sync.checksum import checksums
 from dsv4rl.sync.served_format import check_served_formats
@@ -49,11 +51,27 @@ def trainer_logprobs(model: torch.nn.Module) -> torch.Tensor:
     return logprobs.gather(1, ids[0, 1:, None]).squeeze(1)
 
 
-def make_sync(url: str | list[str], bucket_bytes: int, **kwargs) -> WeightSync:
+class RecordingTransport(httpx.AsyncBaseTransport):
+    """Forwards to the real engine and records (method, path, JSON body, query) of every request."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, dict | None, dict]] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        self.requests.append((request.method, request.url.path, body, dict(request.url.params)))
+        async with httpx.AsyncHTTPTransport() as transport:  # one per call: requests come from two loops
+            response = await transport.handle_async_request(request)
+            content = await response.aread()
+        return httpx.Response(response.status_code, headers=response.headers, content=content)
+
+
+def make_sync(url: str | list[str], bucket_bytes: int, transport=None, **kwargs) -> WeightSync:
     cfg = SyncConfig(
         bucket_bytes=bucket_bytes, timeout_s=kwargs.pop("timeout_s", 60.0), **kwargs.pop("cfg", {})
     )
-    clients = [EngineClient(u, timeout_s=60) for u in ([url] if isinstance(url, str) else url)]
+    urls = [url] if isinstance(url, str) else url
+    clients = [EngineClient(u, timeout_s=60, transport=transport) for u in urls]
     return WeightSync(clients, cfg, "gloo", "127.0.0.1", free_port(), **kwargs)
 
 
@@ -96,12 +114,21 @@ def test_push_many_buckets_native_names(engine_url: str) -> None:
 
 
 def test_push_flattened_buckets_to_two_engines(engine_urls: list[str]) -> None:
-    """Two engines: ranks 1 and 2 of a world of 3; one flattened broadcast per bucket reaches both."""
+    """Two engines: ranks 1 and 2 of a world of 3; one flattened broadcast per bucket reaches both. Every
+    request of the sync is one SGLang 0.5.23 takes as meant (its released contract)."""
     model = trainer_model(TRAINER_SEED + 1)
-    with make_sync(engine_urls, bucket_bytes=64 * 1024, load_format="flattened_bucket") as sync:
+    recorder = RecordingTransport()
+    with make_sync(
+        engine_urls, bucket_bytes=64 * 1024, transport=recorder, load_format="flattened_bucket"
+    ) as sync:
         assert sync.world_size == 3
         stats = sync.push(model.state_dict().items(), "v2-flat")
     assert stats.buckets > 5
+    contract = load_contract()
+    paths = {path for _, path, _, _ in recorder.requests}
+    assert {"/init_weights_update_group", "/begin_weight_update", "/update_weights_from_distributed"} <= paths
+    problems = [p for request in recorder.requests for p in request_problems(contract, *request)]
+    assert problems == []
     for url in engine_urls:
         assert version_of(url) == "v2-flat"
         assert_engine_holds(url, model)

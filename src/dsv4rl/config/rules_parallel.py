@@ -211,16 +211,21 @@ def check_ports(cfg: Config, add: Add) -> None:
     if bad:
         add(f"ports must be in 1..65535: {', '.join(bad)}")
         return
-    if eng.port + engines - 1 > 65535:
-        add(f"engine.port={eng.port} + {engines} engines runs past port 65535")
-    engine_ports = range(eng.port, eng.port + engines)
+    # Engine i of a node listens on engine.port + i; with SGLang's attention DP on engine.port + 10 i, and
+    # opens port + 233 .. port + 240 besides (the planner reserves them: dsv4rl.launcher.plan.engine_port).
+    attention_dp = cfg.parallel.rollout.engine == "sglang" and cfg.parallel.rollout.data_parallel > 1
+    stride, extra = (10, range(233, 241)) if attention_dp else (1, range(0))
+    engine_ports = {eng.port + i * stride + e for i in range(engines) for e in (0, *extra)}
+    if max(engine_ports) > 65535:
+        add(f"engine.port={eng.port}: the ports of {engines} engines run past 65535 ({max(engine_ports)})")
     if c.master_port == c.weight_sync_port:
         add(f"cluster.master_port and cluster.weight_sync_port are both {c.master_port}: use two ports")
     for key in ("cluster.master_port", "cluster.weight_sync_port"):
         if named[key] in engine_ports:
+            dp_ports = "; attention DP adds port + 233..240" if attention_dp else ""
             add(
-                f"{key}={named[key]} collides with the engine ports {eng.port}..{eng.port + engines - 1} "
-                "(engine i listens on engine.port + i)"
+                f"{key}={named[key]} collides with the engine ports {min(engine_ports)}..{max(engine_ports)} "
+                f"(engine i listens on engine.port + {stride} i{dp_ports})"
             )
 
 

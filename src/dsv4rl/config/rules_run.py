@@ -225,6 +225,16 @@ def check_run(cfg: Config, add: Add) -> None:
         add(f"engine.retries must be >= 0 (got {eng.retries})")
     if eng.startup_timeout_s <= 0 or eng.request_timeout_s <= 0:
         add("engine.startup_timeout_s and engine.request_timeout_s must be > 0")
+    planned = {
+        "--admin-api-key": "the planner gives engines an admin key (DSV4RL_ENGINE_ADMIN_API_KEY chooses it)",
+        "--config": "the planner passes the admin key in a --config file, and SGLang takes one",
+        "--enable-deterministic-inference": "set engine.reproducible_sampling=true (the client then seeds "
+        "every sample; the flag alone makes the samples of a prompt identical)",
+    }
+    for flag in [a for a in map(str, eng.extra_args) if a.split("=", 1)[0] in planned]:
+        add(f"engine.extra_args has {flag}: {planned[flag.split('=', 1)[0]]}; remove it")
+    if eng.python is not None and not eng.python.strip():
+        add("engine.python is empty: give SGLang's interpreter, or null for this one")
     if not cfg.run.dir:
         add("run.dir must not be empty")
     a = cfg.align

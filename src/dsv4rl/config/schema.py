@@ -340,14 +340,26 @@ class SyncConfig:
     bucket_bytes: int = 1 << 30
     group_name: str = "weight_update_group"
     pause_mode: str = "retract"  # abort | retract | in_place
+    # The weight-update group's timeout on both ends: the trainer's, and the engines' (the planner passes it
+    # to SGLang, whose own default is 30 min).
     timeout_s: float = 600.0
     verify: SyncVerifyConfig = field(default_factory=SyncVerifyConfig)
 
 
 @dataclass
 class EngineConfig:
+    # Anything but loopback: the engines get a per-run admin key (dsv4rl.launcher.admin_key).
     host: str = "127.0.0.1"
-    port: int = 30000  # engine i listens on port + i
+    # Engine i of a node listens on port + i (port + 10 * i with attention DP, whose engines also open
+    # port + 233 .. port + 240).
+    port: int = 30000
+    # The interpreter of SGLang engines (their own environment: `make install-sglang` makes .venv-sglang, a
+    # ROCm cluster uses its SGLang image's). null: this interpreter. Checked before start: it must import
+    # sglang and run the trainer's torch release (both ends of the weight-update group).
+    python: str | None = None
+    # Reproducible sampling: engines run with --enable-deterministic-inference and every sample is its own
+    # request with its own seed (run seed, step, prompt, sample index). false: no seed is sent.
+    reproducible_sampling: bool = False
     max_batch_size: int = 256
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 600.0

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,12 +44,54 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1, choices=[1]
     )
+    parser.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="honour sampling_seed (SGLang's meaning: without it the seed is ignored)",
+    )
+    parser.add_argument(
+        "--config", default=None, help="YAML file of flags (keys as dest names), as in SGLang"
+    )
     return parser
+
+
+def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """SGLang's `--config FILE`: the file's `key: value` pairs become flags placed before the command line's
+    (which wins). Keys are flag names with underscores; `true` booleans become bare flags."""
+    if "--config" not in argv:
+        return argv
+    if argv.count("--config") > 1:
+        raise SystemExit("Multiple config files specified! Only one allowed.")
+    index = argv.index("--config")
+    if index == len(argv) - 1:
+        raise SystemExit("No config file specified after --config flag!")
+    path = Path(argv[index + 1])
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"--config {path}: expected a YAML mapping of flag names to values")
+    flags: dict[str, argparse.Action] = {
+        option[2:].replace("-", "_"): action
+        for action in parser._actions
+        for option in action.option_strings
+        if option.startswith("--")
+    }
+    merged: list[str] = []
+    for key, value in data.items():
+        action = flags.get(str(key))
+        if action is None or key == "config":
+            raise SystemExit(f"--config {path}: unknown option {key!r}")
+        if isinstance(action, argparse._StoreTrueAction):
+            merged += [action.option_strings[0]] if value else []
+        else:
+            merged += [action.option_strings[0], str(value)]
+    return merged + argv[:index] + argv[index + 2 :]
 
 
 def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     """Flags as ServerArgs keyword arguments (plus model_path and log_level)."""
-    args = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = vars(parser.parse_args(merge_config_file(list(sys.argv[1:] if argv is None else argv), parser)))
+    args.pop("config")
     args["dtype"] = {"float": "float32", "half": "float16"}.get(args["dtype"], args["dtype"])
     return args
 

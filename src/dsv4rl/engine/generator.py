@@ -32,6 +32,7 @@ log = logging.getLogger("dsv4rl.engine")
 PAUSE_MODES = ("abort", "retract", "in_place")
 ABORT_RUNNING = "Aborted"
 ABORT_WAITING = "Abort in waiting queue"
+DEFAULT_DETERMINISTIC_SEED = 42  # SGLang's seed for requests without sampling_seed (sampling_batch_info.py)
 
 
 @dataclass
@@ -43,7 +44,6 @@ class GenRequest:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     return_logprob: bool = False
     logprob_start_len: int = -1
-    sample_index: int = 0  # which of the n samples of a prompt (seeds differ by it)
     internal: bool = False  # health checks: no rid bookkeeping in the seed counter
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -83,8 +83,10 @@ class Generator:
         weight_version: str = "default",
         context_length: int | None = None,
         decode_text: Callable[[list[int], bool], str] | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.model = model
+        self.deterministic = deterministic
         self.max_batch_size = max_batch_size
         self.random_seed = random_seed
         self.weight_version = weight_version
@@ -122,18 +124,22 @@ class Generator:
             for request in requests:
                 if not request.internal:
                     self._counter += 1
-                seed = (
-                    mix_seed(request.params.sampling_seed, request.sample_index)
-                    if request.params.sampling_seed is not None
-                    else mix_seed(self.random_seed, self._counter)
-                )
-                request._generator = torch.Generator().manual_seed(seed)
+                request._generator = torch.Generator().manual_seed(self._seed(request))
                 self._rids[request.rid] = request
                 if self._paused or self._writers:
                     self._held.append(request)
                 else:
                     self._waiting.append(request)
             self._cond.notify_all()
+
+    def _seed(self, request: GenRequest) -> int:
+        """SGLang's rule: without deterministic inference `sampling_seed` is ignored (a stream from the
+        server seed); with it a request draws from its seed alone (42 when unset), so the `n` samples of
+        one request, which share it, come out identical."""
+        if not self.deterministic:
+            return mix_seed(self.random_seed, self._counter)
+        seed = request.params.sampling_seed
+        return mix_seed(DEFAULT_DETERMINISTIC_SEED if seed is None else seed)
 
     @property
     def paused(self) -> bool:

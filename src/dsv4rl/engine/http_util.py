@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 from typing import Any, Literal
 
 from fastapi import Request
@@ -37,7 +38,8 @@ async def read_body(request: Request, model: type[BaseModel]) -> Any:
         raise BadRequest(str(error)) from error
 
 
-# Every weight, pause, flush and abort endpoint: admin key if set, else the api key if set.
+# Every weight, pause, flush and abort endpoint (SGLang's `@auth_level(ADMIN_OPTIONAL)`, checked against
+# its released code by tests/engine/test_sglang_contract.py).
 ADMIN_PATHS = frozenset(
     {
         "/begin_weight_update", "/end_weight_update", "/init_weights_update_group",
@@ -49,20 +51,24 @@ ADMIN_PATHS = frozenset(
 )  # fmt: skip
 
 
+def _bearer_matches(authorization: str | None, expected: str) -> bool:
+    if not authorization:
+        return False
+    parts = authorization.split(" ", 1)
+    return len(parts) == 2 and parts[0].lower() == "bearer" and secrets.compare_digest(parts[1], expected)
+
+
 def check_auth(
-    path: str, authorization: str | None, api_key: str | None, admin_key: str | None
+    path: str, authorization: str | None, api_key: str | None, admin_key: str | None, method: str = "POST"
 ) -> int | None:
-    """None when allowed, else 401 or 403 (SGLang's `srt/utils/auth.py`)."""
-    if path.startswith(("/health", "/ready", "/metrics")):
+    """None when allowed, else 401 (SGLang's `srt/utils/auth.py::decide_request_auth`).
+
+    Admin routes: the admin key when set (the api key is then not accepted), else the api key when set,
+    else open. Other routes: the api key when set (the admin key does not open them), else open.
+    """
+    if method == "OPTIONS" or path.startswith(("/health", "/ready", "/metrics")):
         return None
-    token = None
-    if authorization and authorization.startswith("Bearer "):
-        token = authorization[len("Bearer ") :]
-    if path in ADMIN_PATHS:
-        required = admin_key or api_key
-        if required is None or token == required:
-            return None
-        return 403 if token is not None and token == api_key else 401
-    if api_key is None or token in (api_key, admin_key):
+    required = (admin_key or api_key) if path in ADMIN_PATHS else api_key
+    if not required or _bearer_matches(authorization, required):
         return None
     return 401

@@ -293,7 +293,7 @@ def parse_generate(
                 f"({len(prompt)})."
             )
         params, _ = parsed[index]
-        for sample_index in range(n):
+        for _ in range(n):
             sample = SamplingParams(**vars(params))
             sample.max_new_tokens = min(sample.max_new_tokens, context_length - len(prompt))
             requests.append(
@@ -303,7 +303,6 @@ def parse_generate(
                     rid=rids[index] if n == 1 else uuid.uuid4().hex,
                     return_logprob=bool(return_logprob[index]),
                     logprob_start_len=start_len[index],
-                    sample_index=sample_index,
                 )
             )
     return GenerateCall(

@@ -68,6 +68,7 @@ class ServerArgs:
     ep_size: int = 1
     context_length: int | None = None
     load_format: str = "auto"
+    enable_deterministic_inference: bool = False  # sampling_seed is honoured only with it, as in SGLang
 
 
 class Engine:
@@ -96,6 +97,7 @@ class Engine:
             weight_version=args.weight_version,
             context_length=self.context_length,
             decode_text=self.decode if self.tokenizer is not None else None,
+            deterministic=args.enable_deterministic_inference,
         )
         self.status = "Starting"
         self.shutting_down = False
@@ -234,11 +236,10 @@ def create_app(model_path: str, *, receiver: Any = None, **kwargs: Any) -> FastA
             request.headers.get("authorization"),
             engine.args.api_key,
             engine.args.admin_api_key,
+            request.method,
         )
         if status is not None:
-            return JSONResponse(
-                {"error": "Unauthorized" if status == 401 else "Forbidden"}, status_code=status
-            )
+            return JSONResponse({"error": "Unauthorized"}, status_code=status)
         return await call_next(request)
 
     @app.exception_handler(BadRequest)

@@ -27,8 +27,8 @@ log = logging.getLogger("dsv4rl.engine")
 
 OUTSIDE_SESSION = "{endpoint} must run between begin_weight_update() and end_weight_update()."
 NOT_FLUSHED = (
-    "Weights were updated, but the cache was not flushed because there are running or queued requests. "
-    "Pass flush_cache=false and call /flush_cache once idle."
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+    "Retract or finish them, then call /flush_cache."
 )
 
 

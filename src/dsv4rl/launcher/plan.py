@@ -5,9 +5,13 @@ and tests can check the exact commands. Node layout: with `parallel.rollout.nnod
 every node runs trainer ranks and an even share of the engines; otherwise (disaggregated) nodes
 `0 .. train.nnodes-1` train and the next `rollout.nnodes` nodes serve rollouts.
 
+SGLang engines run in their own interpreter (`engine.python`, see `engine_python`), take the weight-update
+group's timeout from `sync.timeout_s` (through `engine/sglang_site`), and, when they listen beyond
+loopback, an admin key (see `admin_key`).
+
 Multi-node runs share `run.dir` (a filesystem every node mounts): each node writes its own config
 (`config-node<r>.yaml`) and trainer log (`logs/trainer-node<r>.log`); engine logs are named by the
-engine's global index. Engines are found at `http://<cluster.node_addrs[node]>:<engine.port + local>`.
+engine's global index. Engines are found at `http://<cluster.node_addrs[node]>:<engine_port(local)>`.
 """
 
 from __future__ import annotations
@@ -24,12 +28,20 @@ from pathlib import Path
 
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config
+from dsv4rl.launcher.admin_key import KEY_FILE_ENV, admin_key_file, engines_need_admin_key
+from dsv4rl.launcher.engine_python import engine_python
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"  # one node; several: config-node<r>.yaml (see config_path)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WILDCARD = ("0.0.0.0", "::")
 ENGINE_URLS_ENV = "DSV4RL_ENGINE_URLS"  # comma-separated engine base URLs, given to the trainer
+WEIGHT_SYNC_TIMEOUT_ENV = "DSV4RL_WEIGHT_SYNC_TIMEOUT_S"  # read by the reference engine and sglang_site
+SGLANG_SITE = Path(__file__).resolve().parents[1] / "engine" / "sglang_site"
+# SGLang with attention DP opens port + 233 .. port + 240 (ZMQ_TCP_PORT_DELTA in its server_args.py):
+# engines on one node then sit 10 ports apart so no engine's range meets another's port.
+ATTN_DP_PORT_OFFSETS = range(233, 241)
+ATTN_DP_ENGINE_STRIDE = 10
 
 
 @dataclass
@@ -113,6 +125,15 @@ def engine_placement(cfg: Config) -> list[tuple[int, int]]:
     return placement
 
 
+def _attention_dp(cfg: Config) -> bool:
+    return cfg.parallel.rollout.engine == "sglang" and cfg.parallel.rollout.data_parallel > 1
+
+
+def engine_port(cfg: Config, local: int) -> int:
+    """The port of the node's `local`-th engine."""
+    return cfg.engine.port + local * (ATTN_DP_ENGINE_STRIDE if _attention_dp(cfg) else 1)
+
+
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
@@ -120,14 +141,14 @@ def _url_host(host: str) -> str:
 def engine_urls(cfg: Config) -> list[str]:
     """Base URLs of every engine, by global index (what trainer rank 0 talks to).
 
-    One node: engine i listens on engine.port + i at 127.0.0.1 (or engine.host when it names an address).
-    Several nodes: engine i on node n at `http://<cluster.node_addrs[n]>:<engine.port + local index>`;
+    One node: engine i listens on engine_port(i) at 127.0.0.1 (or engine.host when it names an address).
+    Several nodes: engine i on node n at `http://<cluster.node_addrs[n]>:<engine_port(local index)>`;
     raises ConfigError when node_addrs does not give every node's address.
     """
     if cfg.cluster.nnodes <= 1:
         host = "127.0.0.1" if cfg.engine.host in WILDCARD else cfg.engine.host
         return [
-            f"http://{_url_host(host)}:{cfg.engine.port + i}" for i in range(cfg.parallel.rollout.num_engines)
+            f"http://{_url_host(host)}:{engine_port(cfg, i)}" for i in range(cfg.parallel.rollout.num_engines)
         ]
     addrs = cfg.cluster.node_addrs
     if len(addrs) != cfg.cluster.nnodes:
@@ -138,7 +159,7 @@ def engine_urls(cfg: Config) -> list[str]:
             "`scontrol show hostnames`)"
         )
     return [
-        f"http://{_url_host(addrs[node])}:{cfg.engine.port + local}" for node, local in engine_placement(cfg)
+        f"http://{_url_host(addrs[node])}:{engine_port(cfg, local)}" for node, local in engine_placement(cfg)
     ]
 
 
@@ -183,7 +204,15 @@ def _cpu_threads(cfg: Config, env: dict[str, str], local_procs: int) -> dict[str
 
 
 # ------------------------------------------------------------------------------------------- commands
-def reference_engine_argv(cfg: Config, model_path: str, port: int, seed: int) -> list[str]:
+def _shared_engine_flags(cfg: Config, run_dir: Path) -> list[str]:
+    """Flags both engine kinds take with SGLang's meaning: reproducible sampling and the admin key."""
+    flags = ["--enable-deterministic-inference"] if cfg.engine.reproducible_sampling else []
+    if engines_need_admin_key(cfg):
+        flags += ["--config", str(admin_key_file(run_dir))]  # {admin_api_key: ...}, mode 0600
+    return flags
+
+
+def reference_engine_argv(cfg: Config, model_path: str, port: int, seed: int, run_dir: Path) -> list[str]:
     return [
         sys.executable, "-m", "dsv4rl.engine",
         "--model-path", model_path,
@@ -191,11 +220,15 @@ def reference_engine_argv(cfg: Config, model_path: str, port: int, seed: int) ->
         "--port", str(port),
         "--random-seed", str(seed),
         "--max-batch-size", str(cfg.engine.max_batch_size),
+        *_shared_engine_flags(cfg, run_dir),
     ]  # fmt: skip
 
 
-def sglang_argv(cfg: Config, model_path: str, port: int, seed: int, base_gpu_id: int) -> list[str]:
-    """`python -m sglang.launch_server` with SGLang 0.5.23's flag names (`srt/arg_groups/fields`)."""
+def sglang_argv(
+    cfg: Config, model_path: str, port: int, seed: int, base_gpu_id: int, run_dir: Path
+) -> list[str]:
+    """`<engine.python> -m sglang.launch_server` with SGLang 0.5.23's flags (checked against
+    `dsv4rl/engine/sglang_contract.json` by the tests)."""
     ro = cfg.parallel.rollout
     gpus_per_node = cfg.cluster.gpus_per_node
     if gpus_per_node and ro.gpus_per_engine > gpus_per_node:
@@ -204,7 +237,7 @@ def sglang_argv(cfg: Config, model_path: str, port: int, seed: int, base_gpu_id:
             "engines spanning nodes (--nnodes/--dist-init-addr) are not planned yet; keep engines in a node"
         )
     argv = [
-        sys.executable, "-m", "sglang.launch_server",
+        engine_python(cfg), "-m", "sglang.launch_server",
         "--model-path", model_path,
         "--host", cfg.engine.host,
         "--port", str(port),
@@ -221,7 +254,14 @@ def sglang_argv(cfg: Config, model_path: str, port: int, seed: int, base_gpu_id:
         argv += ["--mem-fraction-static", f"{ro.mem_fraction_static:g}"]
     if ro.max_running_requests is not None:
         argv += ["--max-running-requests", str(ro.max_running_requests)]
-    return argv
+    return argv + _shared_engine_flags(cfg, run_dir)
+
+
+def sglang_env(cfg: Config, env: Mapping[str, str]) -> dict[str, str]:
+    """`quant.engine_env` over the node's env, and the weight-group timeout hook on PYTHONPATH."""
+    out = {**env, **{str(k): str(v) for k, v in cfg.quant.engine_env.items()}}
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(SGLANG_SITE), env.get("PYTHONPATH")) if p)
+    return out
 
 
 def trainer_argv(cfg: Config, run_dir: Path, task: str = "train") -> list[str]:
@@ -265,19 +305,19 @@ def build_local_plan(
     gpe = cfg.parallel.rollout.gpus_per_engine
     specs: list[ProcessSpec] = []
     for local, global_index in enumerate(engines):
-        port = cfg.engine.port + local
+        port = engine_port(cfg, local)
         seed = cfg.seed + global_index
-        process_env = dict(env)
+        process_env = {**env, WEIGHT_SYNC_TIMEOUT_ENV: f"{cfg.sync.timeout_s:g}"}
         if kind == "sglang":
-            argv = sglang_argv(cfg, model, port, seed, base_gpu_id=local * gpe)
-            process_env.update({str(k): str(v) for k, v in cfg.quant.engine_env.items()})
+            argv = sglang_argv(cfg, model, port, seed, base_gpu_id=local * gpe, run_dir=run_dir)
+            process_env = sglang_env(cfg, process_env)
         elif kind == "reference":
-            argv = reference_engine_argv(cfg, model, port, seed)
+            argv = reference_engine_argv(cfg, model, port, seed, run_dir)
         else:
             raise ValueError(f"parallel.rollout.engine={kind!r}: choose reference or sglang")
         host = "127.0.0.1" if cfg.engine.host in WILDCARD else cfg.engine.host
         name = f"engine-{global_index}"
-        meta = {"port": str(port), "kind": kind}
+        meta = {"port": str(port), "kind": kind, "python": argv[0]}
         if cfg.cluster.gpus_per_node:
             meta["gpus"] = f"{local * gpe}..{(local + 1) * gpe - 1}"
         specs.append(
@@ -295,6 +335,8 @@ def build_local_plan(
         trainer_env = dict(env)
         with contextlib.suppress(ConfigError):  # unresolved without node_addrs; validation names the fix
             trainer_env[ENGINE_URLS_ENV] = ",".join(engine_urls(cfg))
+        if engines_need_admin_key(cfg):
+            trainer_env[KEY_FILE_ENV] = str(admin_key_file(run_dir))
         meta = {"nproc": str(nproc)}
         gpus = cfg.cluster.gpus_per_node
         if gpus and engines and not cfg.parallel.colocate:
@@ -326,10 +368,19 @@ def planned_ports(cfg: Config) -> list[PlannedPort]:
     """Every port this node will listen on: its engines, and on node 0 torchrun's and the weight sync's."""
     node = cfg.cluster.node_rank
     host = cfg.engine.host
-    ports = [
-        PlannedPort(cfg.engine.port + local, host, f"engine {g}: engine.port + {local}", "engine.port", local)
-        for local, g in enumerate(engines_on_node(cfg, node))
-    ]
+    ports = []
+    for local, g in enumerate(engines_on_node(cfg, node)):
+        port = engine_port(cfg, local)
+        offset = port - cfg.engine.port
+        ports.append(PlannedPort(port, host, f"engine {g}: engine.port + {offset}", "engine.port", offset))
+        if _attention_dp(cfg):  # SGLang's attention-DP ports (ZMQ over TCP)
+            ports += [
+                PlannedPort(
+                    port + extra, "0.0.0.0", f"engine {g}: attention DP, port + {extra}", "engine.port",
+                    offset + extra,
+                )
+                for extra in ATTN_DP_PORT_OFFSETS
+            ]  # fmt: skip
     if node == 0:
         cl = cfg.cluster
         ports.append(PlannedPort(cl.master_port, "0.0.0.0", "torchrun master", "cluster.master_port"))

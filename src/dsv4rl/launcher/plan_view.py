@@ -20,9 +20,12 @@ from rich.text import Text
 
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config
+from dsv4rl.launcher.admin_key import KEY_ENV, admin_key_file, engines_need_admin_key
+from dsv4rl.launcher.engine_python import engine_python
 from dsv4rl.launcher.plan import (
     build_local_plan,
     engine_placement,
+    engine_port,
     engine_urls,
     engines_on_node,
     planned_ports,
@@ -66,6 +69,7 @@ def node_plan(cfg: Config, run_dir: Path, node: int) -> dict[str, Any]:
                 "argv": list(s.argv),
                 "env": dict(sorted(s.env.items())),
                 "port": int(s.meta["port"]) if "port" in s.meta else None,
+                "python": s.argv[0],
                 "gpus": s.meta.get("gpus"),
                 "health_url": s.health_url,
                 "log": str(s.log_path),
@@ -85,7 +89,7 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
     except ConfigError:
         urls = [None] * cfg.parallel.rollout.num_engines
     engines = [
-        {"index": i, "node": node, "port": cfg.engine.port + local, "url": urls[i]}
+        {"index": i, "node": node, "port": engine_port(cfg, local), "url": urls[i]}
         for i, (node, local) in enumerate(engine_placement(cfg))
     ]
     return {
@@ -94,6 +98,14 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
         # what the trainer sends and the engines must serve (their SGLang environment: quant.engine_env)
         "quant": {"name": cfg.quant.name.value, "engine_env": dict(cfg.quant.engine_env)},
         "nnodes": cfg.cluster.nnodes,
+        "engine": {
+            "kind": cfg.parallel.rollout.engine.value,
+            # SGLang's interpreter (its own environment); the reference engine runs in this one
+            "python": engine_python(cfg) if cfg.parallel.rollout.engine == "sglang" else None,
+            "reproducible_sampling": cfg.engine.reproducible_sampling,
+            "admin_key_file": str(admin_key_file(run_dir)) if engines_need_admin_key(cfg) else None,
+            "weight_sync_timeout_s": cfg.sync.timeout_s,
+        },
         "engines": engines,
         "nodes": [node_plan(cfg, run_dir, n) for n in nodes],
         "warnings": list(warnings or []),
@@ -110,6 +122,22 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         Text(f"recipe {plan['recipe']}: {plan['nnodes']} node(s), run dir {plan['run_dir']}", style="bold")
     )
     console.print(f"weights on the wire: quant={plan['quant']['name']} (the engines must serve that format)")
+    engine = plan["engine"]
+    if engine["python"]:
+        console.print(f"SGLang interpreter (engine.python): {engine['python']}")
+    sampling = (
+        "reproducible (one seeded request per sample, --enable-deterministic-inference)"
+        if engine["reproducible_sampling"]
+        else "not reproducible on SGLang (no seed sent; engine.reproducible_sampling=true to seed)"
+    )
+    console.print(f"sampling: {sampling}")
+    if engine["admin_key_file"]:
+        console.print(
+            f"admin key: {engine['admin_key_file']} (mode 0600; ${KEY_ENV} when set, else random per run)"
+        )
+    console.print(
+        f"weight-update group timeout: {engine['weight_sync_timeout_s']:g} s on trainer and engines"
+    )
     for node in plan["nodes"]:
         table = Table(show_lines=True, expand=False)
         for column in ("process", "role", "gpus", "port", "command"):

@@ -257,12 +257,13 @@ class EngineClient:
     async def generate(
         self,
         input_ids: list[int] | list[list[int]],
-        sampling_params: dict,
+        sampling_params: dict | list[dict],
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         rid: str | None = None,
     ) -> dict | list[dict]:
-        """POST /generate with token ids; a flat list gives one object, a list of lists (or n>1) a list."""
+        """POST /generate with token ids; a flat list gives one object, a list of lists (or n>1) a list.
+        `sampling_params` is one dict for every item, or a list with one per item."""
         if not input_ids or (isinstance(input_ids[0], list) and not all(input_ids)):
             raise ValueError("generate: input_ids must be a non-empty list of token ids (or of such lists)")
         body: dict[str, Any] = {

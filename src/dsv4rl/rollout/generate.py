@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from dsv4rl.config.schema import SamplingConfig
 from dsv4rl.data.problems import Problem
+from dsv4rl.engine.sampling import mix_seed
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.types import Sample
 
@@ -24,6 +25,12 @@ def sampling_params(sampling: SamplingConfig, stop_token_ids: list[int], n: int,
     if seed is not None:
         params["sampling_seed"] = seed
     return params
+
+
+def sample_seed(step_seed: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of one sample, from the step's seed and the sample's place in the batch (not from which
+    engine serves it): the same samples whatever the number of engines. Below 2^31, valid everywhere."""
+    return mix_seed(step_seed, prompt_index, sample_index) % (2**31 - 1)
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
@@ -62,11 +69,13 @@ async def generate_samples(
     sampling: SamplingConfig,
     seed: int | None = None,
 ) -> list[Sample]:
-    """`group_size` samples for every problem, in prompt-major order.
+    """`group_size` samples for every problem, in prompt-major order; one batched /generate per engine,
+    each engine taking a contiguous chunk of the prompts.
 
-    Prompts are split into one contiguous chunk per engine and each chunk is a single batched
-    /generate call with `n = group_size`: the engine sees the same batch every run, so a fixed
-    seed gives the same samples.
+    `seed=None`: each prompt is one item with `n = group_size` and no seed (SGLang then samples from its
+    own state: not reproducible). With a seed (the engines run with --enable-deterministic-inference),
+    every sample is its own item with `n = 1` and its own `sampling_seed` (`sample_seed`): SGLang gives
+    all `n` samples of one seeded item the same seed, hence the same tokens.
     """
     prompt_ids = [encode_prompt(tokenizer, problem.prompt) for problem in problems]
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -77,9 +86,18 @@ async def generate_samples(
         batch = prompt_ids[start : start + chunk]
         if not batch:
             continue
-        chunk_seed = None if seed is None else seed + start
-        params = sampling_params(sampling, stop, group_size, chunk_seed)
-        calls.append(client.generate(batch, params, return_logprob=True))
+        if seed is None:
+            calls.append(
+                client.generate(batch, sampling_params(sampling, stop, group_size, None), return_logprob=True)
+            )
+        else:
+            inputs = [ids for ids in batch for _ in range(group_size)]
+            per_sample = [
+                sampling_params(sampling, stop, 1, sample_seed(seed, start + prompt, sample))
+                for prompt in range(len(batch))
+                for sample in range(group_size)
+            ]
+            calls.append(client.generate(inputs, per_sample, return_logprob=True))
         starts.append(start)
     results = await asyncio.gather(*calls)
     samples: list[Sample] = []

@@ -85,7 +85,7 @@ def run_align(cfg: Config, engine: TrainEngine, driver: Driver | None, run_dir: 
                 driver.tokenizer,
                 cfg.align.samples_per_prompt,
                 sampling,
-                seed=rollout_seed(cfg.seed, 0),
+                seed=rollout_seed(cfg.seed, 0) if cfg.engine.reproducible_sampling else None,
             )
         )
         box[0] = TrainBatch.from_samples(samples, pad_id=driver.tokenizer.pad_token_id)

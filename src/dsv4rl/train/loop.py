@@ -64,7 +64,8 @@ class TrainEngine(Protocol):
 
 
 def rollout_seed(seed: int, step: int, attempt: int = 0) -> int:
-    """A sampling seed per step, so a resumed run samples what the uninterrupted run sampled."""
+    """The seed of a step's rollouts (engine.reproducible_sampling): a resumed run samples what the
+    uninterrupted run sampled."""
     return (seed * 1_000_003 + step * 7_919 + attempt * 104_729) % (2**31 - 1)
 
 
@@ -182,7 +183,9 @@ class RLLoop:
                         driver.tokenizer,
                         algo.group_size,
                         algo.sampling,
-                        seed=rollout_seed(self.cfg.seed, step, attempt),
+                        seed=rollout_seed(self.cfg.seed, step, attempt)
+                        if self.cfg.engine.reproducible_sampling
+                        else None,
                     )
                 )
             with timer.phase("reward"):
