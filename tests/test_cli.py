@@ -175,7 +175,7 @@ def test_plan_dapo_math_all_nodes(supervisor: list[Config]) -> None:
     plan = plan_json("recipe=dapo_math", "--all-nodes", *DAPO_ADDRS, "--skip-engine-check")
     assert supervisor == []  # nothing started
     assert plan["engine"]["python"].endswith(".venv-sglang/bin/python")
-    assert plan["engine"]["admin_key_file"].endswith("runs/dapo_math/engine-admin-key.yaml")
+    assert plan["engine"]["keys_file"].endswith("runs/dapo_math/engine-keys.yaml")
     assert plan["engine"]["weight_sync_timeout_s"] == 1800.0
     nodes = plan["nodes"]
     assert [n["node"] for n in nodes] == [0, 1, 2, 3] and plan["nnodes"] == 4
@@ -202,7 +202,7 @@ def test_plan_dapo_math_all_nodes(supervisor: list[Config]) -> None:
             assert (
                 e["argv"][1:3] == ["-m", "sglang.launch_server"] and e["python"] == plan["engine"]["python"]
             )
-            assert _flag(e["argv"], "--config") == plan["engine"]["admin_key_file"]
+            assert _flag(e["argv"], "--config") == plan["engine"]["keys_file"]
             assert e["env"]["DSV4RL_WEIGHT_SYNC_TIMEOUT_S"] == "1800"
             assert e["env"]["PYTHONPATH"].endswith("engine/sglang_site")
             assert (_flag(e["argv"], "--tp-size"), _flag(e["argv"], "--ep-size")) == ("4", "4")

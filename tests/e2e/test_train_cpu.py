@@ -87,10 +87,10 @@ def test_tiny_arith_learns(demo_run: Path) -> None:
 
 def test_tiny_arith_learns_with_the_released_weight_format(tmp_path: Path) -> None:
     """FP8 linears and MXFP4 experts on the wire, into an engine started from such a checkpoint; TIS on.
-    The engine binds 0.0.0.0, as on a cluster: it takes weights only with the run's admin key."""
+    The engine binds 0.0.0.0, as on a cluster: it answers only the run's keys."""
     run_dir = tmp_path / "fp8_mxfp4"
     train(run_dir, "quant=fp8_mxfp4", "algo.tis.enabled=true", "engine.host=0.0.0.0")
-    key_file = run_dir / "engine-admin-key.yaml"
+    key_file = run_dir / "engine-keys.yaml"
     assert key_file.stat().st_mode & 0o777 == 0o600
     assert f"--config {key_file}" in (run_dir / "logs" / "engine-0.log").read_text()
     metrics = read_metrics(run_dir / "metrics.jsonl")

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from dsv4rl.launcher.admin_key import KEY_ENV, ensure_admin_key_file
+from dsv4rl.launcher.engine_keys import ADMIN_KEY_ENV, API_KEY_ENV, ensure_engine_keys_file
 
 
 def free_port() -> int:
@@ -21,10 +21,10 @@ def free_port() -> int:
 
 
 def test_server_process(model_dir, tmp_path):
-    """Started as the planner starts it on a cluster: the admin key from a --config file (SGLang's form)."""
+    """Started as the planner starts it on a cluster: the keys from a --config file (SGLang's form)."""
     port = free_port()
     log = tmp_path / "engine.log"
-    key_file = ensure_admin_key_file(tmp_path, env={KEY_ENV: "from-the-file"})
+    key_file = ensure_engine_keys_file(tmp_path, env={ADMIN_KEY_ENV: "admin-key", API_KEY_ENV: "api-key"})
     command = [
         sys.executable, "-m", "dsv4rl.engine", "--model-path", model_dir, "--port", str(port),
         "--num-threads", "1", "--random-seed", "3", "--weight-version", "w0", "--config", str(key_file),
@@ -49,13 +49,17 @@ def test_server_process(model_dir, tmp_path):
             "input_ids": [[5, 6, 7], [8, 9]],
             "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
         }
-        out = httpx.post(f"{url}/generate", json=body, timeout=30).json()
+        user, admin = {"Authorization": "Bearer api-key"}, {"Authorization": "Bearer admin-key"}
+        assert httpx.post(f"{url}/generate", json=body, timeout=30).status_code == 401
+        out = httpx.post(f"{url}/generate", json=body, headers=user, timeout=30).json()
         assert [len(o["output_ids"]) for o in out] == [4, 4]
         assert out[0]["meta_info"]["weight_version"] == "w0"
-        assert httpx.post(f"{url}/flush_cache", timeout=30).status_code == 401
-        admin = {"Authorization": "Bearer from-the-file"}
+        for headers in ({}, user):
+            assert httpx.post(f"{url}/flush_cache", headers=headers, timeout=30).status_code == 401
         assert httpx.post(f"{url}/flush_cache", headers=admin, timeout=30).status_code == 200
-        assert httpx.get(f"{url}/server_info", timeout=30).json()["admin_api_key"] == "***"
+        assert httpx.get(f"{url}/server_info", timeout=30).status_code == 401  # it would show the keys
+        info = httpx.get(f"{url}/server_info", headers=user, timeout=30).json()
+        assert info["admin_api_key"] == info["api_key"] == "***"
         assert "The server is fired up and ready to roll!" in log.read_text()
     finally:
         process.terminate()

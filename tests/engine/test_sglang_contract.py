@@ -107,7 +107,7 @@ def sglang_plan_argvs() -> list[list[str]]:
 
 def problems_of_planner(contract: dict) -> list[str]:
     problems = [p for argv in sglang_plan_argvs() for p in flag_problems(contract, argv)]
-    return problems + config_file_problems(contract, {"admin_api_key": "secret"})
+    return problems + config_file_problems(contract, {"api_key": "user", "admin_api_key": "secret"})
 
 
 def problems_of_reference_engine(contract: dict, app) -> list[str]:
@@ -172,7 +172,7 @@ def test_every_client_request_is_one_sglang_takes() -> None:
 def test_every_flag_the_planner_emits_is_an_sglang_flag_with_its_type() -> None:
     argvs = sglang_plan_argvs()
     assert any("--attn-dp-size" in argv and "--enable-deterministic-inference" in argv for argv in argvs)
-    assert all("--config" in argv for argv in argvs)  # dapo_math binds 0.0.0.0: the admin key file
+    assert all("--config" in argv for argv in argvs)  # dapo_math binds 0.0.0.0: the keys file
     assert problems_of_planner(CONTRACT) == []
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config, RolloutEngineKind
-from dsv4rl.launcher.admin_key import KEY_FILE_ENV
+from dsv4rl.launcher.engine_keys import KEYS_FILE_ENV
 from dsv4rl.launcher.plan import (
     ENGINE_URLS_ENV,
     SGLANG_SITE,
@@ -292,17 +292,17 @@ def test_reproducible_sampling_turns_on_deterministic_inference(kind):
 
 
 @pytest.mark.parametrize("kind", ["reference", "sglang"])
-def test_engines_beyond_loopback_get_the_admin_key_file(kind):
+def test_engines_beyond_loopback_get_the_keys_file(kind):
     cfg = Config()
     cfg.parallel.rollout.engine = kind
     engine, trainer = build_local_plan(cfg, RUN, base_env={})
-    assert "--config" not in engine.argv and KEY_FILE_ENV not in trainer.env
+    assert "--config" not in engine.argv and KEYS_FILE_ENV not in trainer.env
     cfg.engine.host = "0.0.0.0"
     engine, trainer = build_local_plan(cfg, RUN, base_env={})
-    key_file = str(RUN / "engine-admin-key.yaml")
+    key_file = str(RUN / "engine-keys.yaml")
     assert engine.argv[engine.argv.index("--config") + 1] == key_file
     assert "secret" not in " ".join(engine.argv) and "--admin-api-key" not in engine.argv
-    assert trainer.env[KEY_FILE_ENV] == key_file
+    assert trainer.env[KEYS_FILE_ENV] == key_file
 
 
 def test_attention_dp_engines_on_one_node_never_share_a_port():

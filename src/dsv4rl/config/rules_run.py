@@ -227,7 +227,8 @@ def check_run(cfg: Config, add: Add) -> None:
         add("engine.startup_timeout_s and engine.request_timeout_s must be > 0")
     planned = {
         "--admin-api-key": "the planner gives engines an admin key (DSV4RL_ENGINE_ADMIN_API_KEY chooses it)",
-        "--config": "the planner passes the admin key in a --config file, and SGLang takes one",
+        "--api-key": "the planner gives engines an api key (DSV4RL_ENGINE_API_KEY chooses it)",
+        "--config": "the planner passes the keys in a --config file, and SGLang takes one",
         "--enable-deterministic-inference": "set engine.reproducible_sampling=true (the client then seeds "
         "every sample; the flag alone makes the samples of a prompt identical)",
     }

@@ -7,7 +7,7 @@ every node runs trainer ranks and an even share of the engines; otherwise (disag
 
 SGLang engines run in their own interpreter (`engine.python`, see `engine_python`), take the weight-update
 group's timeout from `sync.timeout_s` (through `engine/sglang_site`), and, when they listen beyond
-loopback, an admin key (see `admin_key`).
+loopback, the run's api and admin keys (see `engine_keys`).
 
 Multi-node runs share `run.dir` (a filesystem every node mounts): each node writes its own config
 (`config-node<r>.yaml`) and trainer log (`logs/trainer-node<r>.log`); engine logs are named by the
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config
-from dsv4rl.launcher.admin_key import KEY_FILE_ENV, admin_key_file, engines_need_admin_key
+from dsv4rl.launcher.engine_keys import KEYS_FILE_ENV, engine_keys_file, engines_need_keys
 from dsv4rl.launcher.engine_python import engine_python
 
 METRICS_FILE = "metrics.jsonl"
@@ -205,10 +205,10 @@ def _cpu_threads(cfg: Config, env: dict[str, str], local_procs: int) -> dict[str
 
 # ------------------------------------------------------------------------------------------- commands
 def _shared_engine_flags(cfg: Config, run_dir: Path) -> list[str]:
-    """Flags both engine kinds take with SGLang's meaning: reproducible sampling and the admin key."""
+    """Flags both engine kinds take with SGLang's meaning: reproducible sampling and the run's keys."""
     flags = ["--enable-deterministic-inference"] if cfg.engine.reproducible_sampling else []
-    if engines_need_admin_key(cfg):
-        flags += ["--config", str(admin_key_file(run_dir))]  # {admin_api_key: ...}, mode 0600
+    if engines_need_keys(cfg):
+        flags += ["--config", str(engine_keys_file(run_dir))]  # {api_key, admin_api_key}, mode 0600
     return flags
 
 
@@ -335,8 +335,8 @@ def build_local_plan(
         trainer_env = dict(env)
         with contextlib.suppress(ConfigError):  # unresolved without node_addrs; validation names the fix
             trainer_env[ENGINE_URLS_ENV] = ",".join(engine_urls(cfg))
-        if engines_need_admin_key(cfg):
-            trainer_env[KEY_FILE_ENV] = str(admin_key_file(run_dir))
+        if engines_need_keys(cfg):
+            trainer_env[KEYS_FILE_ENV] = str(engine_keys_file(run_dir))
         meta = {"nproc": str(nproc)}
         gpus = cfg.cluster.gpus_per_node
         if gpus and engines and not cfg.parallel.colocate:

@@ -20,7 +20,7 @@ from rich.text import Text
 
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config
-from dsv4rl.launcher.admin_key import KEY_ENV, admin_key_file, engines_need_admin_key
+from dsv4rl.launcher.engine_keys import ADMIN_KEY_ENV, engine_keys_file, engines_need_keys
 from dsv4rl.launcher.engine_python import engine_python
 from dsv4rl.launcher.plan import (
     build_local_plan,
@@ -103,7 +103,7 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
             # SGLang's interpreter (its own environment); the reference engine runs in this one
             "python": engine_python(cfg) if cfg.parallel.rollout.engine == "sglang" else None,
             "reproducible_sampling": cfg.engine.reproducible_sampling,
-            "admin_key_file": str(admin_key_file(run_dir)) if engines_need_admin_key(cfg) else None,
+            "keys_file": str(engine_keys_file(run_dir)) if engines_need_keys(cfg) else None,
             "weight_sync_timeout_s": cfg.sync.timeout_s,
         },
         "engines": engines,
@@ -131,9 +131,10 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         else "not reproducible on SGLang (no seed sent; engine.reproducible_sampling=true to seed)"
     )
     console.print(f"sampling: {sampling}")
-    if engine["admin_key_file"]:
+    if engine["keys_file"]:
         console.print(
-            f"admin key: {engine['admin_key_file']} (mode 0600; ${KEY_ENV} when set, else random per run)"
+            f"engine api and admin keys: {engine['keys_file']} (mode 0600; ${ADMIN_KEY_ENV} chooses the "
+            "admin key, else random per run)"
         )
     console.print(
         f"weight-update group timeout: {engine['weight_sync_timeout_s']:g} s on trainer and engines"

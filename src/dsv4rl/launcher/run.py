@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from dsv4rl.config.schema import Config
-from dsv4rl.launcher.admin_key import AdminKeyError, engines_need_admin_key, ensure_admin_key_file
+from dsv4rl.launcher.engine_keys import EngineKeysError, engines_need_keys, ensure_engine_keys_file
 from dsv4rl.launcher.marker import DoneMarker
 from dsv4rl.launcher.plan import (
     build_local_plan,
@@ -74,10 +74,10 @@ def run_training(
             raise RunDirInUse(str(error)) from None
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
-    if engines_need_admin_key(cfg):
+    if engines_need_keys(cfg):
         try:
-            ensure_admin_key_file(run_dir)
-        except AdminKeyError as error:
+            ensure_engine_keys_file(run_dir)
+        except EngineKeysError as error:
             raise RunDirInUse(str(error)) from None
     write_config(cfg, run_dir)
     if cfg.model.path is None:

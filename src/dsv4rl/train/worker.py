@@ -25,7 +25,7 @@ from dsv4rl.config.compose import load_config_file
 from dsv4rl.config.rules_quant import engine_env
 from dsv4rl.config.schema import Config
 from dsv4rl.data.stream import build_prompt_stream
-from dsv4rl.launcher.admin_key import admin_key_from_env
+from dsv4rl.launcher.engine_keys import engine_keys_from_env
 from dsv4rl.launcher.plan import engine_urls, source_model_dir
 from dsv4rl.model.tiny import load_tokenizer
 from dsv4rl.reward.graders import get_grader
@@ -49,14 +49,15 @@ def seed_everything(seed: int) -> None:
 def build_driver(
     cfg: Config, run_dir: Path, model_path: str, event_loop: asyncio.AbstractEventLoop
 ) -> Driver:
-    admin_key = admin_key_from_env()  # engines beyond loopback refuse weight pushes without it
+    keys = engine_keys_from_env()  # engines beyond loopback answer only the run's keys
     clients = [
         EngineClient(
             url,
             timeout_s=cfg.engine.request_timeout_s,
             retries=cfg.engine.retries,
             max_concurrency=cfg.engine.max_concurrency,
-            admin_api_key=admin_key,
+            api_key=keys.api_key if keys else None,
+            admin_api_key=keys.admin_api_key if keys else None,
         )
         for url in engine_urls(cfg)
     ]
