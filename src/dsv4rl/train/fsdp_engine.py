@@ -20,13 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from dsv4rl.algo.grpo import (
-    aggregate,
-    entropy_from_logits,
-    kl_penalty,
-    policy_loss,
-    token_logprobs,
-)
+from dsv4rl.algo.grpo import kl_penalty, token_logprobs
+from dsv4rl.algo.loss import gradient_scale, micro_batch_loss, normaliser_share
 from dsv4rl.algo.mismatch import correction_weights
 from dsv4rl.config.schema import Config
 from dsv4rl.model.native_checkpoint import load_native_model
@@ -57,26 +52,6 @@ class LearningRateSchedule:
             return 1.0
         progress = min(1.0, (step - self.warmup) / (self.total - 1 - self.warmup))
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def _sum_factor(mask: Tensor, mode: str) -> Tensor:
-    """What turns `aggregate(values, mask, mode)` of one micro-batch back into an additive sum over
-    its sequences/tokens (so sums can be added over micro-batches and ranks, then divided by the
-    global normaliser `_global_terms`). Mirrors dsv4rl.algo.grpo.aggregate."""
-    if mode == "token_mean":
-        return mask.sum()
-    if mode == "seq_mean_token_mean":
-        return (mask.sum(dim=-1) > 0).sum().to(mask.dtype)
-    if mode == "seq_mean_token_sum":  # aggregate divides by B and by L (the micro-batch's length)
-        return torch.tensor(float(mask.shape[0] * mask.shape[1]), device=mask.device)
-    raise ValueError(f"unknown loss aggregation {mode!r}")
-
-
-def _global_terms(mask: Tensor, mode: str, max_len: int) -> Tensor:
-    """This rank's share of the mini-batch normaliser (all-reduced by the caller)."""
-    if mode == "seq_mean_token_sum":  # Dr.GRPO: a constant, the response cap, per sequence
-        return torch.tensor(float(mask.shape[0] * max_len), device=mask.device)
-    return _sum_factor(mask, mode)
 
 
 class FSDPTrainEngine:
@@ -185,12 +160,12 @@ class FSDPTrainEngine:
 
         Loss aggregation is over the global mini-batch: per-micro-batch sums are divided by the
         denominator all-reduced over ranks, and multiplied by the world size because FSDP averages
-        gradients over ranks. So the update does not depend on the world size or micro-batch size.
+        gradients over ranks. So the update does not depend on the world size or micro-batch size. The
+        loss itself is `dsv4rl.algo.loss.micro_batch_loss`; this engine only runs forward and backward.
         """
         algo, cfg = self.cfg.algo, self.cfg
         temp = algo.sampling.temperature if temperature is None else temperature
         mode = str(getattr(algo.loss_aggregation, "value", algo.loss_aggregation))
-        estimator = str(getattr(algo.kl_estimator, "value", algo.kl_estimator))
         updates = algo.updates_per_step
         batch = batch.to(self.device)
         sizes = torch.tensor([batch.size, -batch.size], device=self.device)
@@ -234,47 +209,34 @@ class FSDPTrainEngine:
         grad_norms, lrs = [], []
         row = 0
         for mini in batch.split(updates):
-            denom = _global_terms(mini.loss_mask, mode, algo.sampling.max_new_tokens).to(torch.float64)
-            dist.all_reduce(denom)
-            denom = max(float(denom), 1.0)  # no response token anywhere: loss 0, like aggregate
-            scale = self.world / denom
+            share = normaliser_share(mini.loss_mask, mode, algo.sampling.max_new_tokens).to(torch.float64)
+            dist.all_reduce(share)
+            denom = max(float(share), 1.0)  # no response token anywhere: loss 0, like aggregate
+            scale = gradient_scale(denom, self.world)
             self.optimizer.zero_grad(set_to_none=True)
             for micro in mini.micro_batches(cfg.train.micro_batch_size):
                 m = micro.trimmed()
                 n = m.loss_mask.shape[1]
                 rows = slice(row, row + micro.size)
                 row += micro.size
-                m_old, m_tis = old[rows, :n], None if tis is None else tis[rows, :n]
                 logp, logits = self._micro_logprobs(self.model, m.input_ids, temp)
-                local = _sum_factor(m.loss_mask, mode)
-                pg, pg_metrics = policy_loss(
+                out = micro_batch_loss(
                     logp,
-                    m_old,
+                    logits,
+                    old[rows, :n],
                     m.advantages,
                     m.loss_mask,
-                    algo.eps_clip_low,
-                    algo.eps_clip_high,
-                    aggregation=mode,
-                    tis_weights=m_tis,
+                    algo,
+                    temp,
+                    ref_logprobs=None if ref is None else ref[rows, :n],
+                    tis_weights=None if tis is None else tis[rows, :n],
                 )
-                loss_sum = pg * local
-                if ref is not None:
-                    kl_tok = kl_penalty(logp, ref[rows, :n], estimator)
-                    loss_sum = loss_sum + algo.kl_coef * aggregate(kl_tok, m.loss_mask, mode) * local
-                    with torch.no_grad():
-                        stats[2] += (kl_penalty(logp, ref[rows, :n], "k3") * m.loss_mask).sum()
-                scaled = logits[:, :-1] / temp if temp > 0 else logits[:, :-1]
-                if algo.entropy_coef > 0:
-                    ent = entropy_from_logits(scaled)
-                    loss_sum = loss_sum - algo.entropy_coef * aggregate(ent, m.loss_mask, mode) * local
-                else:
-                    with torch.no_grad():
-                        ent = entropy_from_logits(scaled)
-                (loss_sum * scale).backward()
-                tokens = m.loss_mask.sum()
-                stats[0] += loss_sum.detach() / denom
-                stats[1] += (ent.detach() * m.loss_mask).sum()
-                stats[3] += float(pg_metrics.get("clipfrac", 0.0)) * tokens
+                (out.loss_sum * scale).backward()
+                stats[0] += out.loss_sum.detach() / denom
+                stats[1] += out.entropy_sum
+                stats[3] += out.clipped_tokens
+                if out.ref_kl_sum is not None:
+                    stats[2] += out.ref_kl_sum
             grad_norms.append(self._clip_gradients())
             lrs.append(self.scheduler.get_last_lr()[0])
             self.optimizer.step()

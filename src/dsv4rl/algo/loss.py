@@ -1,0 +1,114 @@
+"""The GRPO/DAPO training loss of one micro-batch, and its normalisation over the global mini-batch.
+
+Every train engine (FSDP here, Megatron next) runs the forward and the backward; what is minimised is
+decided here, once. A mini-batch is split over ranks and micro-batches, but the loss must be the one of
+the whole mini-batch, so the update does not depend on the world size or the micro-batch size:
+
+- `micro_batch_loss` returns the micro-batch's loss as an additive *sum* (its `aggregate` times
+  `sum_factor`), with the policy-gradient term (PPO clip, DAPO clip-higher, TIS weights), the KL
+  penalty against a reference model and the entropy bonus;
+- `normaliser_share` is this rank's share of the mini-batch's normaliser; the engine all-reduces it
+  and scales each backward by `gradient_scale` (data-parallel gradient averaging undone).
+
+Sum over micro-batches and ranks of `loss_sum` / the all-reduced normaliser equals `aggregate` over the
+whole mini-batch (tests/algo/test_loss.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+from dsv4rl.algo.grpo import aggregate, entropy_from_logits, kl_penalty, policy_loss
+from dsv4rl.config.schema import AlgoConfig
+
+
+def _name(value: str | Enum) -> str:
+    return str(getattr(value, "value", value))
+
+
+def sum_factor(mask: Tensor, mode: str | Enum) -> Tensor:
+    """What turns `aggregate(values, mask, mode)` of one micro-batch back into an additive sum over its
+    sequences or tokens (mirrors `dsv4rl.algo.grpo.aggregate`)."""
+    mode = _name(mode)
+    if mode == "token_mean":
+        return mask.sum()
+    if mode == "seq_mean_token_mean":
+        return (mask.sum(dim=-1) > 0).sum().to(mask.dtype)
+    if mode == "seq_mean_token_sum":  # aggregate divides by B and by L (the micro-batch's length)
+        return torch.tensor(float(mask.shape[0] * mask.shape[1]), device=mask.device)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def normaliser_share(mask: Tensor, mode: str | Enum, max_len: int) -> Tensor:
+    """This rank's share of the mini-batch normaliser (the caller all-reduces it over ranks)."""
+    if _name(mode) == "seq_mean_token_sum":  # Dr.GRPO: a constant, the response cap, per sequence
+        return torch.tensor(float(mask.shape[0] * max_len), device=mask.device)
+    return sum_factor(mask, mode)
+
+
+def gradient_scale(normaliser: float, world: int) -> float:
+    """The factor of each micro-batch's `loss_sum` before backward: divided by the global normaliser (no
+    response token anywhere: loss 0, as `aggregate` gives), times the world size that data-parallel
+    gradient averaging divides by."""
+    return world / max(normaliser, 1.0)
+
+
+@dataclass
+class MicroBatchLoss:
+    """One micro-batch: the differentiable loss sum, and detached sums over its response tokens."""
+
+    loss_sum: Tensor
+    entropy_sum: Tensor
+    clipped_tokens: Tensor  # tokens where PPO's clip cut the gradient
+    ref_kl_sum: Tensor | None  # k3 estimate against the reference model (None without one)
+
+
+def micro_batch_loss(
+    logprobs: Tensor,
+    logits: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    algo: AlgoConfig,
+    temperature: float,
+    ref_logprobs: Tensor | None = None,
+    tis_weights: Tensor | None = None,
+) -> MicroBatchLoss:
+    """The loss of one micro-batch as a sum (see the module doc). `logits` [B, T, V] are the forward's,
+    `logprobs` [B, T-1] the response-token log-probs computed from them at `temperature`."""
+    mode = _name(algo.loss_aggregation)
+    local = sum_factor(loss_mask, mode)
+    pg, pg_metrics = policy_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        algo.eps_clip_low,
+        algo.eps_clip_high,
+        aggregation=mode,
+        tis_weights=tis_weights,
+    )
+    loss_sum = pg * local
+    ref_kl_sum = None
+    if ref_logprobs is not None:
+        kl_tokens = kl_penalty(logprobs, ref_logprobs, algo.kl_estimator)
+        loss_sum = loss_sum + algo.kl_coef * aggregate(kl_tokens, loss_mask, mode) * local
+        with torch.no_grad():
+            ref_kl_sum = (kl_penalty(logprobs, ref_logprobs, "k3") * loss_mask).sum()
+    scaled = logits[:, :-1] / temperature if temperature > 0 else logits[:, :-1]
+    if algo.entropy_coef > 0:
+        entropy = entropy_from_logits(scaled)
+        loss_sum = loss_sum - algo.entropy_coef * aggregate(entropy, loss_mask, mode) * local
+    else:
+        with torch.no_grad():
+            entropy = entropy_from_logits(scaled)
+    return MicroBatchLoss(
+        loss_sum=loss_sum,
+        entropy_sum=(entropy.detach() * loss_mask).sum(),
+        clipped_tokens=float(pg_metrics.get("clipfrac", 0.0)) * loss_mask.sum(),
+        ref_kl_sum=ref_kl_sum,
+    )
