@@ -34,7 +34,7 @@ from dsv4rl.sync.served_format import check_served_formats
 from dsv4rl.sync.verify import SyncVerifier, probe_sequences
 from dsv4rl.sync.weight_sync import WeightSync
 from dsv4rl.train.align import run_align
-from dsv4rl.train.fsdp_engine import FSDPTrainEngine
+from dsv4rl.train.engines import build_train_engine
 from dsv4rl.train.loop import Driver, RLLoop
 
 log = logging.getLogger("dsv4rl.train")
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer_path = (
             str(source_model_dir(run_dir)) if args.task == "align" and cfg.model.path is None else model_path
         )
-        engine = FSDPTrainEngine(cfg, trainer_path, device)
+        engine = build_train_engine(cfg, trainer_path, device)
         if rank == 0:
             driver = build_driver(cfg, run_dir, model_path, event_loop)
             connect(cfg, driver, model_path)
