@@ -22,12 +22,8 @@ from enum import Enum
 import torch
 from torch import Tensor
 
-from dsv4rl.algo.grpo import aggregate, entropy_from_logits, kl_penalty, policy_loss
+from dsv4rl.algo.grpo import _name, aggregate, entropy_from_logits, kl_penalty, policy_loss
 from dsv4rl.config.schema import AlgoConfig
-
-
-def _name(value: str | Enum) -> str:
-    return str(getattr(value, "value", value))
 
 
 def sum_factor(mask: Tensor, mode: str | Enum) -> Tensor:
