@@ -199,6 +199,20 @@ def check_nodes_and_rollout(cfg: Config, add: Add) -> None:
         add(f"parallel.rollout.watchdog_timeout_s must be > 0 (got {r.watchdog_timeout_s})")
 
 
+# SGLang with attention DP opens port + 233 .. port + 240 (ZMQ_TCP_PORT_DELTA in its server_args.py): a
+# node's engines then sit 10 ports apart so no engine's range meets another's port.
+ATTN_DP_PORT_OFFSETS = range(233, 241)
+ATTN_DP_ENGINE_STRIDE = 10
+
+
+def engine_port_layout(cfg: Config) -> tuple[int, range]:
+    """(ports between a node's engines, extra ports each engine opens above its own)."""
+    ro = cfg.parallel.rollout
+    if ro.engine == "sglang" and ro.data_parallel > 1:
+        return ATTN_DP_ENGINE_STRIDE, ATTN_DP_PORT_OFFSETS
+    return 1, range(0)
+
+
 def check_ports(cfg: Config, add: Add) -> None:
     c, eng = cfg.cluster, cfg.engine
     engines = max(1, cfg.parallel.rollout.num_engines)
@@ -211,10 +225,7 @@ def check_ports(cfg: Config, add: Add) -> None:
     if bad:
         add(f"ports must be in 1..65535: {', '.join(bad)}")
         return
-    # Engine i of a node listens on engine.port + i; with SGLang's attention DP on engine.port + 10 i, and
-    # opens port + 233 .. port + 240 besides (the planner reserves them: dsv4rl.launcher.plan.engine_port).
-    attention_dp = cfg.parallel.rollout.engine == "sglang" and cfg.parallel.rollout.data_parallel > 1
-    stride, extra = (10, range(233, 241)) if attention_dp else (1, range(0))
+    stride, extra = engine_port_layout(cfg)
     engine_ports = {eng.port + i * stride + e for i in range(engines) for e in (0, *extra)}
     if max(engine_ports) > 65535:
         add(f"engine.port={eng.port}: the ports of {engines} engines run past 65535 ({max(engine_ports)})")
@@ -222,7 +233,7 @@ def check_ports(cfg: Config, add: Add) -> None:
         add(f"cluster.master_port and cluster.weight_sync_port are both {c.master_port}: use two ports")
     for key in ("cluster.master_port", "cluster.weight_sync_port"):
         if named[key] in engine_ports:
-            dp_ports = "; attention DP adds port + 233..240" if attention_dp else ""
+            dp_ports = f"; attention DP adds port + {extra[0]}..{extra[-1]}" if extra else ""
             add(
                 f"{key}={named[key]} collides with the engine ports {min(engine_ports)}..{max(engine_ports)} "
                 f"(engine i listens on engine.port + {stride} i{dp_ports})"

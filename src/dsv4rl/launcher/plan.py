@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsv4rl.config.compose import ConfigError
+from dsv4rl.config.rules_parallel import engine_port_layout
 from dsv4rl.config.schema import Config
 from dsv4rl.launcher.engine_keys import KEYS_FILE_ENV, engine_keys_file, engines_need_keys
 from dsv4rl.launcher.engine_python import engine_python
@@ -38,10 +39,6 @@ WILDCARD = ("0.0.0.0", "::")
 ENGINE_URLS_ENV = "DSV4RL_ENGINE_URLS"  # comma-separated engine base URLs, given to the trainer
 WEIGHT_SYNC_TIMEOUT_ENV = "DSV4RL_WEIGHT_SYNC_TIMEOUT_S"  # read by the reference engine and sglang_site
 SGLANG_SITE = Path(__file__).resolve().parents[1] / "engine" / "sglang_site"
-# SGLang with attention DP opens port + 233 .. port + 240 (ZMQ_TCP_PORT_DELTA in its server_args.py):
-# engines on one node then sit 10 ports apart so no engine's range meets another's port.
-ATTN_DP_PORT_OFFSETS = range(233, 241)
-ATTN_DP_ENGINE_STRIDE = 10
 
 
 @dataclass
@@ -125,13 +122,9 @@ def engine_placement(cfg: Config) -> list[tuple[int, int]]:
     return placement
 
 
-def _attention_dp(cfg: Config) -> bool:
-    return cfg.parallel.rollout.engine == "sglang" and cfg.parallel.rollout.data_parallel > 1
-
-
 def engine_port(cfg: Config, local: int) -> int:
-    """The port of the node's `local`-th engine."""
-    return cfg.engine.port + local * (ATTN_DP_ENGINE_STRIDE if _attention_dp(cfg) else 1)
+    """The port of the node's `local`-th engine (spread out when SGLang's attention DP adds ports)."""
+    return cfg.engine.port + local * engine_port_layout(cfg)[0]
 
 
 def _url_host(host: str) -> str:
@@ -373,13 +366,14 @@ def planned_ports(cfg: Config) -> list[PlannedPort]:
         port = engine_port(cfg, local)
         offset = port - cfg.engine.port
         ports.append(PlannedPort(port, host, f"engine {g}: engine.port + {offset}", "engine.port", offset))
-        if _attention_dp(cfg):  # SGLang's attention-DP ports (ZMQ over TCP)
+        extra_ports = engine_port_layout(cfg)[1]  # SGLang's attention-DP ports (ZMQ over TCP)
+        if extra_ports:
             ports += [
                 PlannedPort(
                     port + extra, "0.0.0.0", f"engine {g}: attention DP, port + {extra}", "engine.port",
                     offset + extra,
                 )
-                for extra in ATTN_DP_PORT_OFFSETS
+                for extra in extra_ports
             ]  # fmt: skip
     if node == 0:
         cl = cfg.cluster
