@@ -1,0 +1,146 @@
+"""DeepSeek-V4 attention in megatron-core's tensor-parallel linears.
+
+Shared by the three layer types: low-rank Q (wq_a -> q_norm -> wq_b, then a weightless per-head
+RMSNorm), one shared KV head (wkv -> kv_norm, used as key and value), interleaved RoPE on the last
+channels (un-rotated on the output, since V carried it), a learned per-head sink logit in the softmax
+denominator, and a grouped low-rank output (wo_a per head group, then wo_b). Sliding layers see the
+last `window` tokens; CSA and HCA layers also see compressed entries (`compressor.py`).
+
+Tensor parallelism splits heads: wq_b is column-parallel, the sinks and wo_a's groups are split the
+same way (o_groups must divide by TP), wo_b is row-parallel. wq_a, wkv and the compressors are
+replicated; their outputs pass `copy_to_tensor_model_parallel_region` so every rank's copy receives
+the gradient of all heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+from dsv4rl.train.megatron.architecture import AttentionKind, DeepseekV4Architecture
+from dsv4rl.train.megatron.compressor import Compressor, Indexer, RMSNorm, linear, visible_entries
+from dsv4rl.train.megatron.hyper_connection import unweighted_rms_norm
+from dsv4rl.train.megatron.rope import RotaryTables, apply_interleaved_rope
+
+
+def sliding_window_bias(seq_len: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """[S, S] additive mask: query t sees keys t - window < s <= t."""
+    position = torch.arange(seq_len, device=device)
+    distance = position.view(-1, 1) - position.view(1, -1)
+    allowed = (distance >= 0) & (distance < window)
+    return torch.zeros(seq_len, seq_len, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
+
+
+class DeepseekV4Attention(MegatronModule):
+    def __init__(self, config: TransformerConfig, arch: DeepseekV4Architecture, layer_index: int) -> None:
+        super().__init__(config)
+        self.arch, self.kind = arch, arch.attention_kinds[layer_index]
+        tp = config.tensor_model_parallel_size
+        if arch.num_heads % tp or arch.o_groups % tp:
+            raise ValueError(
+                f"tensor parallel size {tp} must divide num_attention_heads={arch.num_heads} and "
+                f"o_groups={arch.o_groups}"
+            )
+        self.local_heads = arch.num_heads // tp
+        self.local_groups = arch.o_groups // tp
+        dtype, eps, hidden = config.params_dtype, config.layernorm_epsilon, config.hidden_size
+        self.linear_q_down_proj = linear(hidden, arch.q_lora_rank, dtype)
+        self.q_layernorm = RMSNorm(arch.q_lora_rank, eps)
+        self.linear_q_up_proj = tensor_parallel.ColumnParallelLinear(
+            arch.q_lora_rank,
+            arch.num_heads * arch.head_dim,
+            config=config,
+            init_method=config.init_method,
+            bias=False,
+            gather_output=False,
+        )
+        self.linear_kv_proj = linear(hidden, arch.head_dim, dtype)
+        self.kv_layernorm = RMSNorm(arch.head_dim, eps)
+        group_width = arch.num_heads * arch.head_dim // arch.o_groups
+        self.linear_o_group_proj = torch.nn.Parameter(
+            torch.zeros(self.local_groups * arch.o_lora_rank, group_width, dtype=dtype)
+        )
+        set_tensor_model_parallel_attributes(self.linear_o_group_proj, True, 0, 1)
+        self.linear_proj = tensor_parallel.RowParallelLinear(
+            arch.o_groups * arch.o_lora_rank,
+            hidden,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+        )
+        self.attn_sink = torch.nn.Parameter(torch.zeros(self.local_heads, dtype=torch.float32))
+        set_tensor_model_parallel_attributes(self.attn_sink, True, 0, 1)
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if self.kind != AttentionKind.sliding:
+            ratio = arch.compress_ratio(self.kind)
+            overlap = self.kind == AttentionKind.csa
+            self.compressor = Compressor(config, ratio, arch.head_dim, arch.rope_dim, overlap=overlap)
+            if overlap:
+                self.indexer = Indexer(
+                    config,
+                    arch.q_lora_rank,
+                    arch.index_heads,
+                    arch.index_head_dim,
+                    arch.index_topk,
+                    ratio,
+                    arch.rope_dim,
+                )
+
+    def forward(self, hidden: Tensor, rope: dict[str, RotaryTables]) -> Tensor:
+        """hidden [B, S, D] -> [B, S, D] (the row-parallel output, reduced over TP)."""
+        arch = self.arch
+        batch, seq, _ = hidden.shape
+        tables = rope["main" if self.kind == AttentionKind.sliding else "compress"]
+        positions = torch.arange(seq, device=hidden.device)
+        cos, sin = tables.at(positions, hidden.dtype)
+
+        q_compressed = self.q_layernorm(self.linear_q_down_proj(hidden))
+        q, _ = self.linear_q_up_proj(q_compressed)
+        q = unweighted_rms_norm(q.view(batch, seq, self.local_heads, arch.head_dim), arch.norm_eps)
+        q = apply_interleaved_rope(q, cos, sin)
+        kv = self.kv_layernorm(self.linear_kv_proj(hidden)).view(batch, seq, 1, arch.head_dim)
+        kv = tensor_parallel.copy_to_tensor_model_parallel_region(apply_interleaved_rope(kv, cos, sin))
+        keys = kv.squeeze(2)  # [B, S, d]
+        bias = sliding_window_bias(seq, arch.window, torch.float32, hidden.device).expand(batch, seq, seq)
+
+        if self.compressor is not None:
+            entries = self.compressor(hidden, tables)  # [B, T, d]
+            entries = tensor_parallel.copy_to_tensor_model_parallel_region(entries)
+            if self.indexer is not None:
+                entry_bias = self.indexer(hidden, q_compressed.detach(), tables).float()
+            else:
+                visible = visible_entries(seq, entries.shape[1], self.compressor.ratio, hidden.device)
+                entry_bias = (
+                    torch.zeros(seq, entries.shape[1], device=hidden.device)
+                    .masked_fill(~visible, float("-inf"))
+                    .expand(batch, seq, -1)
+                )
+            keys = torch.cat([keys, entries], dim=1)
+            bias = torch.cat([bias, entry_bias], dim=-1)
+
+        output = self._attend(q, keys, bias)  # [B, S, h, d]
+        output = apply_interleaved_rope(output, cos, -sin)
+        grouped = output.reshape(batch * seq, self.local_groups, -1).transpose(0, 1)
+        weight = self.linear_o_group_proj.view(self.local_groups, arch.o_lora_rank, -1).transpose(1, 2)
+        grouped = torch.bmm(grouped, weight).transpose(0, 1).reshape(batch, seq, -1)
+        out, _ = self.linear_proj(grouped)
+        return out
+
+    def _attend(self, q: Tensor, keys: Tensor, bias: Tensor) -> Tensor:
+        """Softmax over keys plus the per-head sink (denominator only); q [B, S, h, d], keys [B, K, d]."""
+        logits = (
+            torch.matmul(q.transpose(1, 2), keys.transpose(-1, -2).unsqueeze(1)) * self.arch.head_dim**-0.5
+        )
+        logits = logits + bias.unsqueeze(1).to(logits.dtype)  # [B, h, S, K]
+        sinks = self.attn_sink.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+        combined = torch.cat([logits, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
+        return torch.matmul(probs, keys.unsqueeze(1)).transpose(1, 2)

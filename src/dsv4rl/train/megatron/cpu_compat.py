@@ -1,0 +1,60 @@
+"""What megatron-core 0.16.1 needs to run on a machine without a GPU, in one place.
+
+megatron-core is written for CUDA: it asks `torch.cuda.current_device()` where to put buffers, forks a
+CUDA RNG state around tensor-parallel initialisation and dropout, and routes the MoE router GEMM
+through Transformer Engine when it can import it. On CPU (tests, the tiny model, CI) dsv4rl applies
+these shims, and only these; `activate()` does nothing when CUDA is available, so the GPU path runs
+megatron-core unpatched.
+
+1. `torch.cuda.current_device` returns "cpu", so the tensors megatron allocates "on the current
+   device" land on the CPU.
+2. The CUDA RNG tracker's `fork` is a no-op context: there is no CUDA RNG state to swap. dsv4rl builds
+   weights with `use_cpu_initialization` and then loads them from a checkpoint, so no random draw
+   depends on the fork.
+3. `moe_utils.te_general_gemm = None`, so the router GEMM takes its plain `torch.mm` branch (without it
+   the name is undefined when Transformer Engine is absent).
+
+Other CPU constraints are configuration, not patches, and the model builder sets them itself on CPU:
+`use_cpu_initialization=True`, `moe_token_dispatcher_type="allgather"` (gloo has no all-to-all), no
+linear bias, no fused kernels (`bias_activation_fusion`, `masked_softmax_fusion`, `gradient_accumulation_fusion`
+off), and an explicit attention mask (dsv4rl's attention is its own, so megatron's fused softmax is
+never used).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_ACTIVE = False
+
+
+def needed() -> bool:
+    """True when there is no CUDA device: megatron-core must run through the shims."""
+    return not torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def _no_fork(*_args: object, **_kwargs: object) -> Iterator[None]:
+    yield
+
+
+def activate() -> bool:
+    """Apply the shims once per process when there is no GPU; returns whether they are active."""
+    global _ACTIVE
+    if _ACTIVE or not needed():
+        return _ACTIVE
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import moe_utils
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    mcore_random.CudaRNGStatesTracker.fork = _no_fork  # type: ignore[method-assign]
+    moe_utils.te_general_gemm = None
+    _ACTIVE = True
+    return True
+
+
+def is_active() -> bool:
+    return _ACTIVE

@@ -1,0 +1,155 @@
+"""DeepSeek-V4 as a megatron-core model: embedding -> blocks with mHC streams -> hc_head -> norm -> head.
+
+One instance is one pipeline stage: the first stage owns the embedding, the last the stream
+contraction, final norm and output layer, and every stage its slice of the blocks (megatron-core's
+layer split, including `num_layers_in_last_pipeline_stage`). Between stages the residual travels as
+megatron's pipeline tensor: the [B, S, N, D] streams are laid out [S * N, B, D], so the schedules'
+(seq_length * hc_mult, micro_batch, hidden) shape carries them unchanged.
+
+A block is `hc_pre -> attn_norm -> attention -> hc_post`, then `hc_pre -> ffn_norm -> MoE -> hc_post`.
+Full recompute wraps each block in megatron's `tensor_parallel.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from torch import Tensor
+from transformers import DeepseekV4Config
+
+from dsv4rl.train.megatron.architecture import DeepseekV4Architecture, RoutingKind
+from dsv4rl.train.megatron.attention import DeepseekV4Attention
+from dsv4rl.train.megatron.compressor import RMSNorm
+from dsv4rl.train.megatron.hyper_connection import HyperConnection, HyperHead, expand
+from dsv4rl.train.megatron.moe import HashRouter, moe_spec
+from dsv4rl.train.megatron.rope import RotaryTables, rotary_tables
+
+
+class DeepseekV4Block(MegatronModule):
+    def __init__(self, config: TransformerConfig, arch: DeepseekV4Architecture, layer_index: int) -> None:
+        super().__init__(config)
+        self.layer_index = layer_index
+        hc = (arch.hc_mult, arch.hc_sinkhorn_iters, arch.hc_eps)
+        self.self_attention_hyper_connection = HyperConnection(config, *hc)
+        self.mlp_hyper_connection = HyperConnection(config, *hc)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.norm_eps)
+        self.pre_mlp_layernorm = RMSNorm(arch.hidden_size, arch.norm_eps)
+        self.self_attention = DeepseekV4Attention(config, arch, layer_index)
+        hash_routed = arch.routing_kinds[layer_index] == RoutingKind.hash
+        self.mlp = build_module(
+            moe_spec(hash_routed, arch.vocab_size, arch.route_scale),
+            config=config,
+            layer_number=layer_index + 1,
+        )
+
+    def forward(self, streams: Tensor, token_ids: Tensor, rope: dict[str, RotaryTables]) -> Tensor:
+        post, comb, collapsed = self.self_attention_hyper_connection(streams)
+        attended = self.self_attention(self.input_layernorm(collapsed), rope)
+        streams = expand(post, comb, attended, streams)
+
+        post, comb, collapsed = self.mlp_hyper_connection(streams)
+        router = self.mlp.router
+        if isinstance(router, HashRouter):
+            router.token_ids = token_ids
+        try:
+            mixed, _ = self.mlp(self.pre_mlp_layernorm(collapsed))
+        finally:
+            if isinstance(router, HashRouter):
+                router.token_ids = None
+        return expand(post, comb, mixed, streams)
+
+
+class DeepseekV4Decoder(MegatronModule):
+    """This stage's blocks, plus the stream contraction and final norm on the last stage."""
+
+    def __init__(self, config: TransformerConfig, arch: DeepseekV4Architecture, post_process: bool) -> None:
+        super().__init__(config)
+        self.offset = get_transformer_layer_offset(config)
+        count = get_num_layers_to_build(config)
+        self.layers = torch.nn.ModuleList(
+            DeepseekV4Block(config, arch, self.offset + i) for i in range(count)
+        )
+        self.post_process = post_process
+        if post_process:
+            self.hc_head = HyperHead(config, arch.hc_mult, arch.hc_eps)
+            self.final_layernorm = RMSNorm(arch.hidden_size, arch.norm_eps)
+
+    def forward(self, streams: Tensor, token_ids: Tensor, rope: dict[str, RotaryTables]) -> Tensor:
+        for block in self.layers:
+            if self.config.recompute_granularity == "full" and torch.is_grad_enabled():
+                streams = tensor_parallel.checkpoint(
+                    lambda s, t, b=block: b(s, t, rope), False, streams, token_ids
+                )
+            else:
+                streams = block(streams, token_ids, rope)
+        if self.post_process:
+            return self.final_layernorm(self.hc_head(streams))
+        return streams
+
+
+class DeepseekV4Model(MegatronModule):
+    """One pipeline stage of DeepSeek-V4; `forward(token_ids)` gives logits [B, S, V] on the last stage,
+    else the streams for the next stage in pipeline layout."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hf_config: DeepseekV4Config,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ) -> None:
+        super().__init__(config)
+        self.arch = DeepseekV4Architecture.from_hf(hf_config)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.rope = torch.nn.ModuleDict(rotary_tables(hf_config))
+        if pre_process:
+            self.embedding = torch.nn.Module()
+            self.embedding.word_embeddings = tensor_parallel.VocabParallelEmbedding(
+                self.arch.vocab_size, self.arch.hidden_size, init_method=config.init_method, config=config
+            )
+        self.decoder = DeepseekV4Decoder(config, self.arch, post_process)
+        if post_process:
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                self.arch.hidden_size,
+                self.arch.vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                gather_output=True,
+            )
+        self.input_tensor: Tensor | None = None
+
+    def set_input_tensor(self, input_tensor: Tensor | list[Tensor] | None) -> None:
+        """Called by megatron's pipeline schedules with the previous stage's output."""
+        if isinstance(input_tensor, list):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def to_pipeline(self, streams: Tensor) -> Tensor:
+        batch, seq, n, dim = streams.shape
+        return streams.permute(1, 2, 0, 3).reshape(seq * n, batch, dim)
+
+    def from_pipeline(self, tensor: Tensor) -> Tensor:
+        total, batch, dim = tensor.shape
+        n = self.arch.hc_mult
+        return tensor.reshape(total // n, n, batch, dim).permute(2, 0, 1, 3)
+
+    def forward(self, token_ids: Tensor) -> Tensor:
+        rope = dict(self.rope.items())
+        if self.pre_process:
+            embedded = self.embedding.word_embeddings(token_ids)
+            streams = embedded.unsqueeze(2).expand(-1, -1, self.arch.hc_mult, -1).contiguous()
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError("a later pipeline stage needs set_input_tensor before forward")
+            streams = self.from_pipeline(self.input_tensor)
+        hidden = self.decoder(streams, token_ids, rope)
+        if not self.post_process:
+            return self.to_pipeline(hidden)
+        logits, _ = self.output_layer(hidden)
+        return logits
