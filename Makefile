@@ -22,7 +22,7 @@ $(PY):
 install: $(PY)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install -e ".[dev,megatron]"
 
 # The engines' interpreter (engine.python): SGLang with exactly its own pins; not part of `make install` or CI.
 install-sglang:

@@ -146,6 +146,7 @@ def transformer_config(
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="allgather" if on_cpu else "alltoall",
+        batch_p2p_comm=not on_cpu,
         moe_router_dtype="fp32",
         tensor_model_parallel_size=sizes.tensor,
         pipeline_model_parallel_size=sizes.pipeline,
@@ -154,6 +155,9 @@ def transformer_config(
         sequence_parallel=False,
         pipeline_dtype=dtype,
         params_dtype=dtype,
+        # the loss function returns sums already normalised by dsv4rl.algo.loss: no division by the
+        # number of micro-batches in the schedule
+        calculate_per_token_loss=True,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True,
         perform_initialization=False,

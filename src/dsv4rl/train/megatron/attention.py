@@ -8,14 +8,15 @@ last `window` tokens; CSA and HCA layers also see compressed entries (`compresso
 
 Tensor parallelism splits heads: wq_b is column-parallel, the sinks and wo_a's groups are split the
 same way (o_groups must divide by TP), wo_b is row-parallel. wq_a, wkv and the compressors are
-replicated; their outputs pass `copy_to_tensor_model_parallel_region` so every rank's copy receives
-the gradient of all heads.
+replicated; their outputs pass `shared_by_all_heads`, so every rank's copy receives the gradient
+of all heads.
 """
 
 from __future__ import annotations
 
 import torch
-from megatron.core import tensor_parallel
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -25,6 +26,28 @@ from dsv4rl.train.megatron.architecture import AttentionKind, DeepseekV4Architec
 from dsv4rl.train.megatron.compressor import Compressor, Indexer, RMSNorm, linear, visible_entries
 from dsv4rl.train.megatron.hyper_connection import unweighted_rms_norm
 from dsv4rl.train.megatron.rope import RotaryTables, apply_interleaved_rope
+
+
+class _SumGradientsOverTensorParallel(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the TP group. Like megatron's
+    `copy_to_tensor_model_parallel_region`, whose backward all-reduces `grad.contiguous()` and returns
+    the original, so a non-contiguous gradient (as attention's transposes produce) comes back unsummed."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor) -> Tensor:  # noqa: ANN001
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # noqa: ANN001
+        grad = grad.contiguous()
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+        return grad
+
+
+def shared_by_all_heads(tensor: Tensor) -> Tensor:
+    """Mark a replicated tensor that feeds this rank's heads only: its gradient sums over all ranks."""
+    return _SumGradientsOverTensorParallel.apply(tensor)
 
 
 def sliding_window_bias(seq_len: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -106,13 +129,13 @@ class DeepseekV4Attention(MegatronModule):
         q = unweighted_rms_norm(q.view(batch, seq, self.local_heads, arch.head_dim), arch.norm_eps)
         q = apply_interleaved_rope(q, cos, sin)
         kv = self.kv_layernorm(self.linear_kv_proj(hidden)).view(batch, seq, 1, arch.head_dim)
-        kv = tensor_parallel.copy_to_tensor_model_parallel_region(apply_interleaved_rope(kv, cos, sin))
+        kv = shared_by_all_heads(apply_interleaved_rope(kv, cos, sin))
         keys = kv.squeeze(2)  # [B, S, d]
         bias = sliding_window_bias(seq, arch.window, torch.float32, hidden.device).expand(batch, seq, seq)
 
         if self.compressor is not None:
             entries = self.compressor(hidden, tables)  # [B, T, d]
-            entries = tensor_parallel.copy_to_tensor_model_parallel_region(entries)
+            entries = shared_by_all_heads(entries)
             if self.indexer is not None:
                 entry_bias = self.indexer(hidden, q_compressed.detach(), tables).float()
             else:

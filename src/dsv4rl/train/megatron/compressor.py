@@ -8,7 +8,7 @@ the visible entries. This is the training (whole-sequence) form; incremental dec
 inference engines' business.
 
 The weights are small and replicated on every tensor-parallel rank (the attention heads they feed
-are split); `copy_to_tensor_model_parallel_region` on their output sums the heads' gradients.
+are split); the attention sums the heads' gradients on their output (`shared_by_all_heads`).
 """
 
 from __future__ import annotations

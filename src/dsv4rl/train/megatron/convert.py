@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import Tensor
 
@@ -188,3 +189,46 @@ def local_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     for name, tensor in model.state_dict().items():
         if isinstance(tensor, Tensor) and not name.endswith("._extra_state"):
             yield name, tensor
+
+
+def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None, size: int) -> list[Tensor]:
+    if size == 1:
+        return [tensor]
+    pieces = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return pieces
+
+
+def gather_stage(
+    model: torch.nn.Module, ranks: Ranks, num_experts: int, values: Mapping[str, Tensor] | None = None
+) -> Iterator[tuple[str, Tensor]]:
+    """Full transformers-named tensors of this pipeline stage, merged over its tensor- and
+    expert-parallel ranks (collective over those groups; every rank of the stage gets them).
+
+    `values` replaces the model's own tensors by name (gradients, for instance); default the weights.
+    A stacked expert tensor is yielded once all experts of the layer have been gathered.
+    """
+    tp_group = parallel_state.get_tensor_model_parallel_group() if ranks.tensor_size > 1 else None
+    ep_group = parallel_state.get_expert_model_parallel_group() if ranks.expert_size > 1 else None
+    per_rank = num_experts // ranks.expert_size
+    pending: dict[str, dict[int, Tensor]] = {}
+    for name, tensor in local_tensors(model):
+        where = placement(name, ranks, num_experts)
+        value = tensor if values is None else values[name]
+        if where.expert is None:
+            pieces = (
+                [value]
+                if where.split == Split.replicated
+                else _all_gather(value, tp_group, ranks.tensor_size)
+            )
+            yield from zip(where.hf_names, merge(pieces, where), strict=True)
+            continue
+        local = where.expert - ranks.expert * per_rank
+        experts = pending.setdefault(where.hf_names[0], {})
+        for rank, piece in enumerate(_all_gather(value, ep_group, ranks.expert_size)):
+            experts[rank * per_rank + local] = piece
+        if len(experts) == num_experts:
+            yield where.hf_names[0], torch.stack([experts[e] for e in range(num_experts)])
+            del pending[where.hf_names[0]]
+    if pending:
+        raise UnmappedTensor(f"experts missing for {sorted(pending)}")

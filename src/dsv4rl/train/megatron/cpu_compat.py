@@ -13,17 +13,20 @@ megatron-core unpatched.
    depends on the fork.
 3. `moe_utils.te_general_gemm = None`, so the router GEMM takes its plain `torch.mm` branch (without it
    the name is undefined when Transformer Engine is absent).
+4. The pipeline schedules allocate their token counter with `device="cuda"` spelled out: their module
+   sees a `torch` whose `zeros` puts such tensors on the CPU (everything else is torch itself).
 
 Other CPU constraints are configuration, not patches, and the model builder sets them itself on CPU:
-`use_cpu_initialization=True`, `moe_token_dispatcher_type="allgather"` (gloo has no all-to-all), no
-linear bias, no fused kernels (`bias_activation_fusion`, `masked_softmax_fusion`, `gradient_accumulation_fusion`
-off), and an explicit attention mask (dsv4rl's attention is its own, so megatron's fused softmax is
-never used).
+`use_cpu_initialization=True`, `moe_token_dispatcher_type="allgather"` (gloo has no all-to-all),
+`batch_p2p_comm=False` (the batched path calls `torch.cuda.synchronize`), no linear bias, no fused
+kernels (`bias_activation_fusion`, `masked_softmax_fusion`, `gradient_accumulation_fusion` off), and
+an explicit attention mask (dsv4rl's attention is its own, so megatron's fused softmax never runs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 
 import torch
@@ -36,6 +39,22 @@ def needed() -> bool:
     return not torch.cuda.is_available()
 
 
+class _TorchWithCpuZeros(types.ModuleType):
+    """torch, except that `zeros(..., device="cuda")` allocates on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: object, **kwargs: object) -> torch.Tensor:
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _no_fork(*_args: object, **_kwargs: object) -> Iterator[None]:
     yield
@@ -46,12 +65,14 @@ def activate() -> bool:
     global _ACTIVE
     if _ACTIVE or not needed():
         return _ACTIVE
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer.moe import moe_utils
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     mcore_random.CudaRNGStatesTracker.fork = _no_fork  # type: ignore[method-assign]
     moe_utils.te_general_gemm = None
+    schedules.torch = _TorchWithCpuZeros()
     _ACTIVE = True
     return True
 

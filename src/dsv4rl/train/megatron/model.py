@@ -12,8 +12,11 @@ Full recompute wraps each block in megatron's `tensor_parallel.checkpoint`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
@@ -41,9 +44,15 @@ class DeepseekV4Block(MegatronModule):
         self.pre_mlp_layernorm = RMSNorm(arch.hidden_size, arch.norm_eps)
         self.self_attention = DeepseekV4Attention(config, arch, layer_index)
         hash_routed = arch.routing_kinds[layer_index] == RoutingKind.hash
+        # megatron's MoE layer expects sequence-parallel input under TP (each rank its own tokens);
+        # the attention is not sequence-parallel, so the block splits the tokens around the MoE only
+        self.tensor_parallel_size = config.tensor_model_parallel_size
+        moe_config = (
+            dataclasses.replace(config, sequence_parallel=True) if self.tensor_parallel_size > 1 else config
+        )
         self.mlp = build_module(
             moe_spec(hash_routed, arch.vocab_size, arch.route_scale),
-            config=config,
+            config=moe_config,
             layer_number=layer_index + 1,
         )
 
@@ -53,15 +62,33 @@ class DeepseekV4Block(MegatronModule):
         streams = expand(post, comb, attended, streams)
 
         post, comb, collapsed = self.mlp_hyper_connection(streams)
+        mixed = self._moe(self.pre_mlp_layernorm(collapsed), token_ids)
+        return expand(post, comb, mixed, streams)
+
+    def _moe(self, hidden: Tensor, token_ids: Tensor) -> Tensor:
+        """The MoE layer on this rank's share of the tokens ([B, S, D] in and out, replicated over TP)."""
+        shape = hidden.shape
+        tokens, ids = hidden.reshape(-1, shape[-1]), token_ids.reshape(-1)
+        pad = -tokens.shape[0] % self.tensor_parallel_size
+        if self.tensor_parallel_size > 1:
+            tokens = torch.nn.functional.pad(tokens, (0, 0, 0, pad))
+            ids = torch.nn.functional.pad(ids, (0, pad))
+            tokens = tensor_parallel.scatter_to_sequence_parallel_region(tokens)
+            ids = ids.chunk(self.tensor_parallel_size)[parallel_state.get_tensor_model_parallel_rank()]
         router = self.mlp.router
         if isinstance(router, HashRouter):
-            router.token_ids = token_ids
+            router.token_ids = ids
         try:
-            mixed, _ = self.mlp(self.pre_mlp_layernorm(collapsed))
+            mixed, _ = self.mlp(tokens)
         finally:
             if isinstance(router, HashRouter):
                 router.token_ids = None
-        return expand(post, comb, mixed, streams)
+        if self.tensor_parallel_size > 1:
+            mixed = tensor_parallel.gather_from_sequence_parallel_region(
+                mixed, tensor_parallel_output_grad=False
+            )
+            mixed = mixed[: mixed.shape[0] - pad]
+        return mixed.view(shape)
 
 
 class DeepseekV4Decoder(MegatronModule):
@@ -104,6 +131,7 @@ class DeepseekV4Model(MegatronModule):
         post_process: bool = True,
     ) -> None:
         super().__init__(config)
+        self.model_type = ModelType.encoder_or_decoder  # what megatron's schedules ask of a model
         self.arch = DeepseekV4Architecture.from_hf(hf_config)
         self.pre_process, self.post_process = pre_process, post_process
         self.rope = torch.nn.ModuleDict(rotary_tables(hf_config))
@@ -132,7 +160,7 @@ class DeepseekV4Model(MegatronModule):
 
     def to_pipeline(self, streams: Tensor) -> Tensor:
         batch, seq, n, dim = streams.shape
-        return streams.permute(1, 2, 0, 3).reshape(seq * n, batch, dim)
+        return streams.permute(1, 2, 0, 3).reshape(seq * n, batch, dim).contiguous()
 
     def from_pipeline(self, tensor: Tensor) -> Tensor:
         total, batch, dim = tensor.shape
