@@ -6,10 +6,14 @@ only with `check_paths=True`; `check_cluster_addresses` reads only the recipe an
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+from safetensors import safe_open
 
 from dsv4rl.config.rules_base import Add
 from dsv4rl.config.schema import Config
+from dsv4rl.model.native_checkpoint import CheckpointError, checkpoint_files
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 NODE_ADDRS_FIX = (
@@ -44,12 +48,37 @@ def check_cluster_addresses(cfg: Config, add: Add) -> None:
         )
 
 
+# The Megatron engine reads the whole checkpoint into each rank (as float32) before keeping its shard.
+MEGATRON_FULL_LOAD_LIMIT_PARAMETERS = 2_000_000_000
+
+
+def checkpoint_parameters(directory: str | Path) -> int:
+    """About how many parameters a checkpoint holds, from its safetensors headers (packed FP4 counted
+    twice, their scales once)."""
+    total = 0
+    for path in checkpoint_files(directory):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                part = handle.get_slice(name)
+                count = math.prod(part.get_shape())
+                total += 2 * count if part.get_dtype() in ("I8", "U8") and "experts" in name else count
+    return total
+
+
 def check_built(cfg: Config, add: Add) -> None:
     """Settings the schema plans for but this version cannot run yet: refuse them before anything starts."""
-    if cfg.parallel.train.backend.value == "megatron":
+    if cfg.parallel.train.backend.value != "megatron" or cfg.model.path is None:
+        return
+    try:
+        parameters = checkpoint_parameters(cfg.model.path)
+    except (CheckpointError, OSError):
+        return  # check_paths reports an unreadable model directory
+    if parameters > MEGATRON_FULL_LOAD_LIMIT_PARAMETERS:
         add(
-            "parallel.train.backend=megatron: the Megatron-core train engine is not built yet; only fsdp "
-            "trains (`dsv4rl plan` and `--cfg` still show the Megatron layout)"
+            f"parallel.train.backend=megatron: every training rank loads the whole checkpoint "
+            f"(about {parameters / 1e9:.0f} B parameters, {parameters * 4 / 2**30:.0f} GiB as float32) "
+            "before keeping its shard; the per-stage streaming loader a model this size needs is not "
+            f"built yet (the engine takes models up to {MEGATRON_FULL_LOAD_LIMIT_PARAMETERS / 1e9:.0f} B)"
         )
 
 

@@ -71,11 +71,6 @@ def check_train_layout(cfg: Config, add: Add) -> None:
                 f"the fsdp backend shards data only, but parallel.train has {', '.join(bad)}: set them to 1 "
                 "or use parallel.train.backend=megatron"
             )
-    if t.backend == TrainBackend.megatron and cfg.cluster.gpus_per_node == 0:
-        add(
-            "parallel.train.backend=megatron needs GPUs but cluster.gpus_per_node=0 (CPU): use the fsdp "
-            "backend on CPU (parallel=cpu_single or parallel=cpu_fsdp2)"
-        )
     if cfg.cluster.gpus_per_node > 0 and t.nproc_per_node > cfg.cluster.gpus_per_node:
         add(
             f"parallel.train.nproc_per_node={t.nproc_per_node} exceeds cluster.gpus_per_node="

@@ -111,10 +111,15 @@ class TrainBatch:
         for start in range(0, self.size, size):
             yield self.select(slice(start, start + size))
 
-    def trimmed(self) -> TrainBatch:
-        """Drop trailing columns past the last response target: they carry no loss (saves compute)."""
+    def trimmed_width(self) -> int:
+        """How many target columns `trimmed()` keeps."""
         cols = self.loss_mask.any(dim=0).nonzero()
-        keep = int(cols[-1]) + 1 if len(cols) else 1  # targets kept; input_ids keeps one more
+        return int(cols[-1]) + 1 if len(cols) else 1
+
+    def trimmed(self, width: int | None = None) -> TrainBatch:
+        """Drop trailing columns past the last response target: they carry no loss (saves compute).
+        `width` (>= trimmed_width()) keeps that many target columns instead, e.g. one agreed by ranks."""
+        keep = self.trimmed_width() if width is None else min(width, self.loss_mask.shape[1])
         if keep == self.loss_mask.shape[1]:
             return self
         out = {}

@@ -16,7 +16,6 @@ def build_train_engine(cfg: Config, model_path: str, device: torch.device) -> Tr
         from dsv4rl.train.fsdp_engine import FSDPTrainEngine
 
         return FSDPTrainEngine(cfg, model_path, device)
-    raise NotImplementedError(
-        f"parallel.train.backend={backend.value}: the Megatron-core train engine is not built yet; use "
-        "parallel.train.backend=fsdp (validation refuses this recipe before start)"
-    )
+    from dsv4rl.train.megatron.engine import MegatronTrainEngine
+
+    return MegatronTrainEngine(cfg, model_path, device)

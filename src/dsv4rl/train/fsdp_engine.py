@@ -68,7 +68,9 @@ class FSDPTrainEngine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.mesh = init_device_mesh(self.device.type, (self.world,))
+        self.data_parallel_rank, self.data_parallel_size = self.rank, self.world  # FSDP shards data only
         self.model = self._load(model_path, trainable=True)
+        self.hf_config = self.model.config
         self.ref_model = self._load(model_path, trainable=False) if cfg.algo.kl_coef > 0 else None
         optim = cfg.optim
         if optim.name.lower() != "adamw":

@@ -50,7 +50,15 @@ class Driver:
 
 
 class TrainEngine(Protocol):
-    """The seam to the training backend (`fsdp` today; Megatron-core next). All methods are collective."""
+    """The seam to the training backend (`fsdp`, `megatron`). All methods are collective.
+
+    A rank trains on its data-parallel replica's share of each batch: `data_parallel_rank` of
+    `data_parallel_size` (FSDP: every rank is a replica; Megatron: the TP/PP ranks of one replica
+    share it). `hf_config` is the transformers config of the model being trained."""
+
+    data_parallel_rank: int
+    data_parallel_size: int
+    hf_config: Any
 
     def train_step(self, batch: TrainBatch, temperature: float | None = None) -> dict[str, float]: ...
 
@@ -153,7 +161,11 @@ class RLLoop:
         batch = self.share_batch(batch)
         with timer.phase("train"):
             train_metrics = self.engine.train_step(
-                batch.shard(self.rank, self.world_size, num_mini_batches=self.cfg.algo.updates_per_step),
+                batch.shard(
+                    self.engine.data_parallel_rank,
+                    self.engine.data_parallel_size,
+                    num_mini_batches=self.cfg.algo.updates_per_step,
+                ),
                 temperature=self.cfg.algo.sampling.temperature,
             )
         with timer.phase("sync"):
@@ -231,7 +243,7 @@ class RLLoop:
         """Whole groups only, and a count every data-parallel rank can take an equal share of."""
         group_size = self.cfg.algo.group_size
         groups = len(samples) // group_size
-        while groups > 0 and (groups * group_size) % self.world_size:
+        while groups > 0 and (groups * group_size) % self.engine.data_parallel_size:
             groups -= 1
         if groups == 0:
             raise RuntimeError(

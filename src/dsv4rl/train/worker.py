@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         verify = cfg.sync.verify
         probe = None
         if verify.logprob_probe:
-            config = engine.model.config
+            config = engine.hf_config
             probe = probe_sequences(
                 config.vocab_size, verify.probe_sequences, verify.probe_length, bos=config.bos_token_id
             )

@@ -27,19 +27,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(
-    out: Path, config: str, tensor: int, pipeline: int, expert: int, last: int | None
-) -> subprocess.Popen:
+def launch(script: Path, world: int, args: list[str]) -> subprocess.Popen:
+    """torchrun `script` on `world` processes in its own session (a timeout kills the whole tree)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tensor * pipeline * expert)]
-    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(SCRIPT), str(out), config]
-    cmd += [str(tensor), str(pipeline), str(expert)] + ([str(last)] if last else [])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script), *args]
     return subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
 
 
-def _collect(procs: dict[str, tuple[subprocess.Popen, Path]]) -> dict[str, dict]:
+def _launch(
+    out: Path, config: str, tensor: int, pipeline: int, expert: int, last: int | None
+) -> subprocess.Popen:
+    args = [str(out), config, str(tensor), str(pipeline), str(expert)] + ([str(last)] if last else [])
+    return launch(SCRIPT, tensor * pipeline * expert, args)
+
+
+def collect(procs: dict[str, tuple[subprocess.Popen, Path]]) -> dict[str, dict]:
     out = {}
     try:
         for name, (proc, path) in procs.items():
@@ -62,7 +67,7 @@ def _collect(procs: dict[str, tuple[subprocess.Popen, Path]]) -> dict[str, dict]
 def world_one(tmp_path_factory) -> dict[str, dict]:
     """Both configs at world size 1, concurrently (one process each)."""
     root = tmp_path_factory.mktemp("megatron_w1")
-    return _collect({c: (_launch(root / f"{c}.pt", c, 1, 1, 1, None), root / f"{c}.pt") for c in CONFIGS})
+    return collect({c: (_launch(root / f"{c}.pt", c, 1, 1, 1, None), root / f"{c}.pt") for c in CONFIGS})
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +77,7 @@ def two_process(tmp_path_factory) -> dict[str, dict]:
     out = {}
     for name, layout in LAYOUTS.items():
         path = root / f"{name}.pt"
-        out.update(_collect({name: (_launch(path, "tiny", *layout), path)}))
+        out.update(collect({name: (_launch(path, "tiny", *layout), path)}))
     return out
 
 

@@ -20,6 +20,11 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+    sharded_state_dict_default,
+)
 from torch import Tensor
 
 from dsv4rl.train.megatron.architecture import AttentionKind, DeepseekV4Architecture
@@ -115,6 +120,31 @@ class DeepseekV4Attention(MegatronModule):
                     ratio,
                     arch.rope_dim,
                 )
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """megatron's distributed-checkpoint view: the sinks and the grouped projection are split over
+        TP along their first axis (the parallel linears describe themselves)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        own: dict = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        sharded = make_sharded_tensors_for_checkpoint(
+            own,
+            prefix,
+            {"linear_o_group_proj": 0, "attn_sink": 0},
+            sharded_offsets,
+            tp_group=tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
+        for name, module in self.named_children():
+            sharded.update(
+                sharded_state_dict_default(
+                    module, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=tp_group
+                )
+            )
+        return sharded
 
     def forward(self, hidden: Tensor, rope: dict[str, RotaryTables]) -> Tensor:
         """hidden [B, S, D] -> [B, S, D] (the row-parallel output, reduced over TP)."""

@@ -10,6 +10,7 @@ whole: expert-tensor-parallel is 1).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from torch import Tensor
 class Split(StrEnum):
     replicated = "replicated"
     tp_rows = "tp_rows"
+    tp_vocab_rows = "tp_vocab_rows"  # rows over TP, the vocabulary padded to a multiple of TP first
     tp_columns = "tp_columns"
     tp_glu_rows = "tp_glu_rows"
     expert_fc1 = "expert_fc1"
@@ -78,8 +80,8 @@ BLOCK_RULES: tuple[Rule, ...] = (
     Rule("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight", Split.tp_columns),
 )
 GLOBAL_RULES: tuple[Rule, ...] = (
-    Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", Split.tp_rows),
-    Rule("output_layer.weight", "lm_head.weight", Split.tp_rows),
+    Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", Split.tp_vocab_rows),
+    Rule("output_layer.weight", "lm_head.weight", Split.tp_vocab_rows),
     Rule("decoder.final_layernorm.weight", "model.norm.weight"),
     *(Rule(f"decoder.hc_head.{p}", f"model.hc_head.hc_{p}") for p in ("fn", "base", "scale")),
 )
@@ -149,6 +151,10 @@ def shard(full: Mapping[str, Tensor], where: Placement, ranks: Ranks) -> Tensor:
         return tensors[0]
     if where.split == Split.tp_rows:
         return tensors[0].chunk(size, dim=0)[rank]
+    if where.split == Split.tp_vocab_rows:
+        rows = tensors[0].shape[0]
+        padded = torch.nn.functional.pad(tensors[0], (0, 0, 0, padded_vocab(rows, size) - rows))
+        return padded.chunk(size, dim=0)[rank]
     if where.split == Split.tp_columns:
         return tensors[0].chunk(size, dim=1)[rank]
     if where.split == Split.tp_glu_rows:
@@ -157,12 +163,26 @@ def shard(full: Mapping[str, Tensor], where: Placement, ranks: Ranks) -> Tensor:
     return tensors[0][where.expert]  # expert_fc1 [2I, H] = cat[w1; w3] / expert_fc2 [H, I]
 
 
-def merge(pieces: list[Tensor], where: Placement) -> list[Tensor]:
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab(vocab_size: int, tensor_parallel: int) -> int:
+    """Megatron splits the vocabulary evenly over TP: the embedding and head carry zero rows (never
+    looked up, their logits cut off) up to a multiple of 128 and of TP. With TP a power of two up to
+    128 the padded size is the same at every layout, so checkpoints load across TP sizes; DeepSeek-V4's
+    129280 is already a multiple of 128."""
+    multiple = math.lcm(VOCAB_MULTIPLE, tensor_parallel)
+    return -(-vocab_size // multiple) * multiple
+
+
+def merge(pieces: list[Tensor], where: Placement, vocab_size: int) -> list[Tensor]:
     """The inverse of `shard` over all tensor-parallel pieces: the transformers tensor(s)."""
     if where.split == Split.replicated:
         return [pieces[0]]
     if where.split == Split.tp_rows:
         return [torch.cat(pieces, dim=0)]
+    if where.split == Split.tp_vocab_rows:
+        return [torch.cat(pieces, dim=0)[:vocab_size]]
     if where.split == Split.tp_columns:
         return [torch.cat(pieces, dim=1)]
     if where.split == Split.tp_glu_rows:
@@ -221,7 +241,7 @@ def gather_stage(
                 if where.split == Split.replicated
                 else _all_gather(value, tp_group, ranks.tensor_size)
             )
-            yield from zip(where.hf_names, merge(pieces, where), strict=True)
+            yield from zip(where.hf_names, merge(pieces, where, model.arch.vocab_size), strict=True)
             continue
         local = where.expert - ranks.expert * per_rank
         experts = pending.setdefault(where.hf_names[0], {})

@@ -15,6 +15,8 @@ megatron-core unpatched.
    the name is undefined when Transformer Engine is absent).
 4. The pipeline schedules allocate their token counter with `device="cuda"` spelled out: their module
    sees a `torch` whose `zeros` puts such tensors on the CPU (everything else is torch itself).
+5. `torch.cuda.synchronize` returns at once: without CUDA there is no queued device work to wait for
+   (distributed checkpointing calls it after copying tensors to the host).
 
 Other CPU constraints are configuration, not patches, and the model builder sets them itself on CPU:
 `use_cpu_initialization=True`, `moe_token_dispatcher_type="allgather"` (gloo has no all-to-all),
@@ -70,6 +72,7 @@ def activate() -> bool:
     from megatron.core.transformer.moe import moe_utils
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *_args, **_kwargs: None  # type: ignore[assignment]
     mcore_random.CudaRNGStatesTracker.fork = _no_fork  # type: ignore[method-assign]
     moe_utils.te_general_gemm = None
     schedules.torch = _TorchWithCpuZeros()

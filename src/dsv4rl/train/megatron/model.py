@@ -16,21 +16,36 @@ import dataclasses
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
 from megatron.core.enums import ModelType
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import Tensor
 from transformers import DeepseekV4Config
 
 from dsv4rl.train.megatron.architecture import DeepseekV4Architecture, RoutingKind
 from dsv4rl.train.megatron.attention import DeepseekV4Attention
 from dsv4rl.train.megatron.compressor import RMSNorm
+from dsv4rl.train.megatron.convert import padded_vocab
 from dsv4rl.train.megatron.hyper_connection import HyperConnection, HyperHead, expand
 from dsv4rl.train.megatron.moe import HashRouter, moe_spec
 from dsv4rl.train.megatron.rope import RotaryTables, rotary_tables
+
+
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Tag the parallel linears' weights as split over TP (axis, stride 1). megatron-core tags them only
+    when it initialises them itself; dsv4rl builds with `perform_initialization=False` and loads the
+    checkpoint, and the optimizer's gradient norm reads the tags."""
+    for module in model.modules():
+        if isinstance(module, (tensor_parallel.ColumnParallelLinear, tensor_parallel.VocabParallelEmbedding)):
+            set_tensor_model_parallel_attributes(module.weight, True, 0, 1)
+        elif isinstance(module, tensor_parallel.RowParallelLinear):
+            set_tensor_model_parallel_attributes(module.weight, True, 1, 1)
 
 
 class DeepseekV4Block(MegatronModule):
@@ -55,6 +70,10 @@ class DeepseekV4Block(MegatronModule):
             config=moe_config,
             layer_number=layer_index + 1,
         )
+        # Each TP rank runs the experts on its own tokens, so expert gradients are summed over the
+        # expert-data-parallel group (which spans TP) even at EP=1; megatron marks them so only at EP>1.
+        for parameter in self.mlp.experts.parameters():
+            parameter.allreduce = False
 
     def forward(self, streams: Tensor, token_ids: Tensor, rope: dict[str, RotaryTables]) -> Tensor:
         post, comb, collapsed = self.self_attention_hyper_connection(streams)
@@ -106,6 +125,27 @@ class DeepseekV4Decoder(MegatronModule):
             self.hc_head = HyperHead(config, arch.hc_mult, arch.hc_eps)
             self.final_layernorm = RMSNorm(arch.hidden_size, arch.norm_eps)
 
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """Blocks under their global layer number in the checkpoint (local numbers in the state dict),
+        so pipeline stages write disjoint keys and a checkpoint loads at another pipeline layout."""
+        sharded: dict = {}
+        for index, block in enumerate(self.layers):
+            local = f"{prefix}layers.{index}."
+            block_state = block.sharded_state_dict(local, sharded_offsets, metadata)
+            apply_prefix_mapping(block_state, {local: f"{prefix}layers.{self.offset + index}."})
+            sharded.update(block_state)
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        for name, module in self.named_children():
+            if name != "layers":
+                sharded.update(
+                    sharded_state_dict_default(
+                        module, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=tp_group
+                    )
+                )
+        return sharded
+
     def forward(self, streams: Tensor, token_ids: Tensor, rope: dict[str, RotaryTables]) -> Tensor:
         for block in self.layers:
             if self.config.recompute_granularity == "full" and torch.is_grad_enabled():
@@ -132,25 +172,28 @@ class DeepseekV4Model(MegatronModule):
     ) -> None:
         super().__init__(config)
         self.model_type = ModelType.encoder_or_decoder  # what megatron's schedules ask of a model
+        self.share_embeddings_and_output_weights = False  # DeepSeek-V4's head is its own tensor
         self.arch = DeepseekV4Architecture.from_hf(hf_config)
         self.pre_process, self.post_process = pre_process, post_process
         self.rope = torch.nn.ModuleDict(rotary_tables(hf_config))
+        vocab = padded_vocab(self.arch.vocab_size, config.tensor_model_parallel_size)
         if pre_process:
-            self.embedding = torch.nn.Module()
+            self.embedding = MegatronModule(config)  # a container, so the vocab split is checkpointed
             self.embedding.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-                self.arch.vocab_size, self.arch.hidden_size, init_method=config.init_method, config=config
+                vocab, self.arch.hidden_size, init_method=config.init_method, config=config
             )
         self.decoder = DeepseekV4Decoder(config, self.arch, post_process)
         if post_process:
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 self.arch.hidden_size,
-                self.arch.vocab_size,
+                vocab,
                 config=config,
                 init_method=config.init_method,
                 bias=False,
                 gather_output=True,
             )
         self.input_tensor: Tensor | None = None
+        mark_tensor_parallel_weights(self)
 
     def set_input_tensor(self, input_tensor: Tensor | list[Tensor] | None) -> None:
         """Called by megatron's pipeline schedules with the previous stage's output."""
@@ -180,4 +223,4 @@ class DeepseekV4Model(MegatronModule):
         if not self.post_process:
             return self.to_pipeline(hidden)
         logits, _ = self.output_layer(hidden)
-        return logits
+        return logits[..., : self.arch.vocab_size]

@@ -1,0 +1,98 @@
+"""Checkpoints of the Megatron engine with megatron-core's distributed checkpointing.
+
+The model's `sharded_state_dict` names every tensor globally (layers by their global number, experts
+by their global index, TP splits by their axis), so a checkpoint written at one parallel layout loads
+at another. The optimizer state follows its parameters' sharding: megatron's distributed optimizer
+describes itself (GPU); the CPU AdamW's moments are mapped onto the same sharded parameters.
+
+Layout of `<root>/step_00000010/`: megatron's shard files, `trainer_state.pt` (step, optimizer steps
+taken; written last, so its presence marks a complete checkpoint) and `extra_rank00000.pt`, ... (the
+loop's extra state and each rank's RNG states). Written into `<dir>.tmp`, renamed when complete.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
+)
+
+from dsv4rl.train.checkpoint import TRAINER_STATE, capture_rng_state, prune_checkpoints, restore_rng_state
+from dsv4rl.train.megatron.optimizer import ModelParallelAdamW
+
+if TYPE_CHECKING:
+    from dsv4rl.train.megatron.engine import MegatronTrainEngine
+
+
+def _optimizer_sharded_state(engine: MegatronTrainEngine, model_state: dict) -> dict:
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, ModelParallelAdamW):
+        return optimizer.optimizer.sharded_state_dict(model_state)
+    optimizer.initialise_state()
+    state = optimizer.state_dict()
+    id_to_sharded = get_param_id_to_sharded_param_map(model_state, iter(optimizer.parameters))
+    optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
+    return state
+
+
+def _sharded_state(engine: MegatronTrainEngine) -> dict:
+    model_state = engine.model.sharded_state_dict()
+    return {"model": model_state, "optimizer": _optimizer_sharded_state(engine, model_state)}
+
+
+def save_engine_checkpoint(
+    engine: MegatronTrainEngine, directory: str, extra_state: dict[str, Any], keep: int = 0
+) -> Path:
+    """Collective. Returns the final directory; `keep` > 0 prunes older siblings."""
+    rank = dist.get_rank()
+    final = Path(directory)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(engine), str(tmp))
+    torch.save({"extra": extra_state or {}, "rng": capture_rng_state()}, tmp / f"extra_rank{rank:05d}.pt")
+    dist.barrier()
+    if rank == 0:
+        trainer_state = {"step": engine.step, "updates": engine.updates, "world_size": dist.get_world_size()}
+        torch.save(trainer_state, tmp / TRAINER_STATE)
+        old = final.with_name(final.name + ".old")
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        if keep > 0:
+            prune_checkpoints(final.parent, keep)
+    dist.barrier()
+    return final
+
+
+def load_engine_checkpoint(engine: MegatronTrainEngine, directory: str) -> dict[str, Any]:
+    """Collective: model, optimizer, schedule position and this rank's RNG states; returns extra_state."""
+    path = Path(directory)
+    if not (path / TRAINER_STATE).exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {TRAINER_STATE})")
+    trainer_state = torch.load(path / TRAINER_STATE, weights_only=False)
+    engine.step, engine.updates = int(trainer_state["step"]), int(trainer_state["updates"])
+    loaded = dist_checkpointing.load(_sharded_state(engine), str(path))
+    engine.model.load_state_dict(loaded["model"])
+    if isinstance(engine.optimizer, ModelParallelAdamW):
+        # Adam's per-parameter step is not sharded state: every parameter steps with every update
+        for state in loaded["optimizer"]["state"].values():
+            state["step"] = torch.tensor(float(engine.updates))
+    engine.optimizer.load_state_dict(loaded["optimizer"])
+    own = path / f"extra_rank{dist.get_rank():05d}.pt"
+    per_rank = torch.load(own if own.exists() else path / "extra_rank00000.pt", weights_only=False)
+    if own.exists():
+        restore_rng_state(per_rank["rng"])
+    dist.barrier()
+    return per_rank["extra"]

@@ -1,0 +1,351 @@
+"""The `megatron` train engine: DeepSeek-V4 in megatron-core with the recipe's TP/PP/EP/DP layout.
+
+Same protocol as the FSDP engine (`dsv4rl.train.loop.TrainEngine`); every public method is
+collective over all training ranks. The batch a rank receives is its data-parallel replica's share
+(`data_parallel_rank` / `data_parallel_size`): the tensor- and pipeline-parallel ranks of one replica
+get the same sequences. Every forward, the old-policy log-prob pass included, goes through megatron's
+pipeline schedule on micro-batches of one shape per mini-batch (padding rows carry no loss), so the
+old log-probs come from exactly the computation the update differentiates. The loss is
+`dsv4rl.algo.loss.micro_batch_loss` on the last pipeline stage; this engine only runs the passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from torch import Tensor
+
+from dsv4rl.algo.grpo import kl_penalty, token_logprobs
+from dsv4rl.algo.loss import micro_batch_loss, normaliser_share
+from dsv4rl.algo.mismatch import correction_weights
+from dsv4rl.config.schema import Config
+from dsv4rl.model.native_checkpoint import load_native_model
+from dsv4rl.train.batch import TrainBatch
+from dsv4rl.train.fsdp_engine import LearningRateSchedule
+from dsv4rl.train.megatron import convert
+from dsv4rl.train.megatron.architecture import ParallelSizes
+from dsv4rl.train.megatron.checkpoint import load_engine_checkpoint, save_engine_checkpoint
+from dsv4rl.train.megatron.model import DeepseekV4Model
+from dsv4rl.train.megatron.optimizer import build_optimizer, finalize_gradients
+from dsv4rl.train.megatron.parallel import build_stage, initialize, run_pipeline
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parallel_sizes(cfg: Config) -> ParallelSizes:
+    t = cfg.parallel.train
+    return ParallelSizes(
+        tensor=t.tensor_parallel,
+        pipeline=t.pipeline_parallel,
+        expert=t.expert_parallel,
+        last_stage_layers=t.last_stage_layers,
+        recompute=t.recompute.value,
+    )
+
+
+class MegatronTrainEngine:
+    def __init__(self, cfg: Config, model_path: str, device: torch.device | None = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("MegatronTrainEngine needs an initialised default process group (torchrun)")
+        self.cfg = cfg
+        self.sizes = parallel_sizes(cfg)
+        initialize(self.sizes)
+        self.on_gpu = torch.cuda.is_available()
+        self.device = device or (
+            torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        )
+        self.dtype = DTYPES[str(getattr(cfg.model.dtype, "value", cfg.model.dtype))]
+        # The transformers model of the checkpoint gives the config and the weights; each rank keeps
+        # only its shard (a per-stage streaming loader is what the 284B model will need).
+        source = load_native_model(model_path, dtype=torch.float32)
+        self.hf_config = source.config
+        state = source.state_dict()
+        self.model = self._build(state, trainable=True)
+        self.ref_model = self._build(state, trainable=False) if cfg.algo.kl_coef > 0 else None
+        del source, state
+        self.ddp = DistributedDataParallel(
+            self.model.config,
+            DistributedDataParallelConfig(use_distributed_optimizer=self.on_gpu, grad_reduce_in_fp32=True),
+            self.model,
+        )
+        self.model.config.finalize_model_grads_func = finalize_gradients
+        self.optimizer = build_optimizer(self.ddp, cfg, self.dtype, self.on_gpu)
+        optim = cfg.optim
+        self.lr_schedule = LearningRateSchedule(
+            optim.warmup_steps,
+            total=cfg.train.steps * cfg.algo.updates_per_step,
+            kind=optim.lr_schedule,
+            min_ratio=optim.min_lr_ratio,
+        )
+        self.updates = 0  # optimizer steps taken (the learning-rate schedule's position)
+        self.step = 0  # completed train_step calls
+        self.data_parallel_rank = parallel_state.get_data_parallel_rank()
+        self.data_parallel_size = parallel_state.get_data_parallel_world_size()
+        self.last_stage = parallel_state.is_pipeline_last_stage()
+        self.pipeline_group = parallel_state.get_pipeline_model_parallel_group()
+        self.last_stage_rank = parallel_state.get_pipeline_model_parallel_last_rank()
+        # the ranks that send each stage's weights: global rank 0's pipeline group, stage by stage
+        sources = [dist.get_process_group_ranks(self.pipeline_group) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(sources, src=0)
+        self.stage_sources: list[int] = sources[0]
+
+    def _build(self, state: dict[str, Tensor], trainable: bool) -> DeepseekV4Model:
+        model = build_stage(self.hf_config, self.sizes, self.dtype)
+        model.to(self.device)
+        convert.load_hf_state(model, state, self.ranks(model), self.hf_config.n_routed_experts)
+        model.eval()  # no dropout: the trainer's log-probs match the engines' and each other
+        model.requires_grad_(trainable)
+        return model
+
+    @staticmethod
+    def ranks(model: DeepseekV4Model) -> convert.Ranks:
+        return convert.Ranks.current(model.decoder.offset)
+
+    # ------------------------------------------------------------------ forward passes
+    def _micro_batches(self, batch: TrainBatch) -> list[tuple[TrainBatch, int]]:
+        """The micro-batches of one mini-batch, trimmed together, with how many rows of each are real.
+        With PP > 1 all have one shape (the schedules send fixed-shape tensors between stages): the
+        last is padded with loss-free copies of its first row. With EP > 1 the replicas, whose experts
+        exchange tokens, trim to one width."""
+        width = batch.trimmed_width()
+        if self.sizes.expert > 1:  # expert all-gathers span data-parallel replicas: one shape for all
+            agreed = torch.tensor([width], device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+            width = int(agreed)
+        trimmed = batch.trimmed(width)
+        size = self.cfg.train.micro_batch_size
+        out = [(part, part.size) for part in trimmed.micro_batches(size)]
+        last, real = out[-1]
+        if self.sizes.pipeline > 1 and real < size:
+            index = torch.cat([torch.arange(real), torch.zeros(size - real, dtype=torch.long)])
+            padded = last.select(index)
+            keep = (torch.arange(size, device=padded.loss_mask.device) < real).to(padded.loss_mask.dtype)
+            padded = dataclasses.replace(
+                padded, loss_mask=padded.loss_mask * keep[:, None], advantages=padded.advantages * keep
+            )
+            out[-1] = (padded, real)
+        return out
+
+    def _pipeline_logprobs(
+        self, model: torch.nn.Module, micro: list[Tensor], temperature: float
+    ) -> list[Tensor]:
+        """Per-micro-batch token log-probs, on every stage (sent from the last)."""
+
+        def report(logits: Tensor, data: dict[str, Tensor]):
+            logprobs = token_logprobs(logits, data["input_ids"], temperature)
+            return logprobs.sum() * 0.0, torch.tensor(1), {"logprobs": logprobs}
+
+        with torch.no_grad():
+            reported = run_pipeline(model, [{"input_ids": ids} for ids in micro], report, forward_only=True)
+        out = []
+        for index, ids in enumerate(micro):
+            if self.last_stage:
+                logprobs = reported[index]["logprobs"].float().contiguous()
+            else:
+                logprobs = torch.empty(ids.shape[0], ids.shape[1] - 1, device=self.device)
+            if self.sizes.pipeline > 1:
+                dist.broadcast(logprobs, src=self.last_stage_rank, group=self.pipeline_group)
+            out.append(logprobs)
+        return out
+
+    def compute_logprobs(self, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+        """log p(input_ids[:, t+1] | input_ids[:, :t+1]), [B, T-1], no grad, on every rank."""
+        input_ids = input_ids.to(self.device)
+        if input_ids.shape[0] == 0:
+            return torch.zeros(0, max(input_ids.shape[1] - 1, 0), device=self.device)
+        size = self.cfg.train.micro_batch_size
+        chunks = list(input_ids.split(size))
+        rows = chunks[-1].shape[0]
+        if self.sizes.pipeline > 1 and rows < size:
+            chunks[-1] = torch.cat([chunks[-1], chunks[-1][:1].expand(size - rows, -1)])
+        out = torch.cat(self._pipeline_logprobs(self.ddp, chunks, temperature))
+        return out[: input_ids.shape[0]]
+
+    def compute_ref_logprobs(self, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+        if self.ref_model is None:
+            raise RuntimeError("no reference model: it is loaded only when algo.kl_coef > 0")
+        return torch.cat(
+            self._pipeline_logprobs(
+                self.ref_model,
+                list(input_ids.to(self.device).split(self.cfg.train.micro_batch_size)),
+                temperature,
+            )
+        )
+
+    def _masked_logprobs(self, model: torch.nn.Module, batch: TrainBatch, temperature: float) -> Tensor:
+        """Log-probs of the loss-bearing targets from the same micro-batches the update will use."""
+        out = torch.zeros_like(batch.loss_mask)
+        row = 0
+        for mini in batch.split(self.cfg.algo.updates_per_step):
+            micro = self._micro_batches(mini)
+            computed = self._pipeline_logprobs(model, [part.input_ids for part, _ in micro], temperature)
+            for (_, real), logprobs in zip(micro, computed, strict=True):
+                out[row : row + real, : logprobs.shape[1]] = logprobs[:real]
+                row += real
+        return out
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: TrainBatch, temperature: float | None = None) -> dict[str, float]:
+        """One rollout batch (this data-parallel replica's share): algo.updates_per_step optimizer steps."""
+        algo, cfg = self.cfg.algo, self.cfg
+        temp = algo.sampling.temperature if temperature is None else temperature
+        mode = str(getattr(algo.loss_aggregation, "value", algo.loss_aggregation))
+        updates = algo.updates_per_step
+        batch = batch.to(self.device)
+        if batch.size % updates:
+            raise ValueError(
+                f"{batch.size} sequences per replica do not split into algo.updates_per_step={updates}"
+            )
+        dp_group = parallel_state.get_data_parallel_group()
+        old = (
+            batch.old_logprobs
+            if batch.old_logprobs is not None
+            else self._masked_logprobs(self.ddp, batch, temp)
+        )
+        ref = batch.ref_logprobs
+        if self.ref_model is not None and ref is None:
+            ref = self._masked_logprobs(self.ref_model, batch, temp)
+        tis, corrections = correction_weights(
+            old,
+            batch.rollout_logprobs,
+            batch.loss_mask,
+            tis_clip=algo.tis.clip if algo.tis.enabled else None,
+            mis_bounds=(algo.mis.low, algo.mis.high) if algo.mis.enabled else None,
+        )
+        mask = batch.loss_mask
+        # sums over response tokens, as in the FSDP engine: [loss, entropy, kl, clipfrac,
+        # |old - rollout|, tokens, tis clipped, mis masked]; the loss terms live on the last stage
+        stats = torch.zeros(8, dtype=torch.float64, device=self.device)
+        batch_stats = torch.zeros(8, dtype=torch.float64, device=self.device)
+        batch_stats[4] = ((old - batch.rollout_logprobs).abs() * mask).sum()
+        batch_stats[5] = mask.sum()
+        batch_stats[6] = corrections["tis_clipped"]
+        batch_stats[7] = corrections["mis_masked"]
+        if ref is None:
+            batch_stats[2] = (kl_penalty(old, batch.rollout_logprobs, "k3") * mask).sum()
+        grad_norms, lrs = [], []
+        row = 0
+        for mini in batch.split(updates):
+            share = normaliser_share(mini.loss_mask, mode, algo.sampling.max_new_tokens).to(torch.float64)
+            dist.all_reduce(share, group=dp_group)
+            denom = max(float(share), 1.0)
+            micro = self._micro_batches(mini)
+
+            def loss_function(logits: Tensor, data: dict[str, Any], denom: float = denom):
+                part: TrainBatch = data["part"]
+                rows = slice(data["row"], data["row"] + data["real"])
+                n = part.loss_mask.shape[1]
+                logprobs = token_logprobs(logits, part.input_ids, temp)
+                out = micro_batch_loss(
+                    logprobs,
+                    logits,
+                    _rows(old, rows, part.size)[:, :n],
+                    part.advantages,
+                    part.loss_mask,
+                    algo,
+                    temp,
+                    ref_logprobs=None if ref is None else _rows(ref, rows, part.size)[:, :n],
+                    tis_weights=None if tis is None else _rows(tis, rows, part.size)[:, :n],
+                )
+                report = {
+                    "loss": out.loss_sum.detach() / denom,
+                    "entropy": out.entropy_sum,
+                    "clipped": out.clipped_tokens,
+                    "ref_kl": out.ref_kl_sum if out.ref_kl_sum is not None else torch.zeros(()),
+                }
+                return out.loss_sum / denom, torch.tensor(1), report
+
+            feeds = []
+            for part, real in micro:
+                feeds.append({"input_ids": part.input_ids, "part": part, "row": row, "real": real})
+                row += real
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            lr = cfg.optim.lr * self.lr_schedule(self.updates)
+            self.optimizer.set_lr(lr)
+            reported = run_pipeline(self.ddp, feeds, loss_function, forward_only=False)
+            for item in reported:
+                stats[0] += item["loss"]
+                stats[1] += item["entropy"]
+                stats[3] += item["clipped"]
+                stats[2] += item["ref_kl"]
+            grad_norms.append(self.optimizer.step())
+            lrs.append(lr)
+            self.updates += 1
+        self.step += 1
+        # one copy per replica: the last stage's tensor-parallel rank 0 holds the loss terms
+        counted = self.last_stage and parallel_state.get_tensor_model_parallel_rank() == 0
+        first = (
+            parallel_state.is_pipeline_first_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+        )
+        totals = stats * float(counted) + batch_stats * float(first)
+        dist.all_reduce(totals)
+        tokens = max(float(totals[5]), 1.0)
+        kl_tokens = tokens * (updates if ref is not None else 1)
+        return {
+            "loss": float(totals[0]) / updates,
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "kl": float(totals[2]) / kl_tokens,
+            "entropy": float(totals[1]) / (tokens * updates),
+            "clipfrac": float(totals[3]) / (tokens * updates),
+            "lr": lrs[-1],
+            "logprob_abs_diff": float(totals[4]) / tokens,
+            "response_tokens": float(totals[5]),
+            "tis_clip_fraction": float(totals[6]) / tokens,
+            "mis_masked_fraction": float(totals[7]) / tokens,
+        }
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    @torch.no_grad()
+    def named_weights_for_sync(self) -> Iterator[tuple[str, Tensor]]:
+        """Full tensors, transformers names, yielded on global rank 0 one at a time (collective).
+
+        Each pipeline stage merges its tensor- and expert-parallel shards; rank 0 yields stage 0's
+        tensors as they are merged, then receives the other stages' from their first rank (the
+        (tp 0, dp 0) rank of that stage) tensor by tensor: no rank ever holds the whole model.
+        """
+        ranks = self.ranks(self.model)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        experts = self.hf_config.n_routed_experts
+        rank = dist.get_rank()
+        for source_stage, source in enumerate(self.stage_sources):
+            if stage == source_stage:
+                for name, tensor in convert.gather_stage(self.model, ranks, experts):
+                    if rank == 0:
+                        yield name, tensor.detach()
+                    elif rank == source:
+                        dist.send_object_list([(name, tensor.shape, tensor.dtype)], dst=0)
+                        dist.send(tensor.contiguous(), dst=0)
+                if rank == source and rank != 0:
+                    dist.send_object_list([None], dst=0)
+            elif rank == 0:
+                while True:
+                    header: list = [None]
+                    dist.recv_object_list(header, src=source)
+                    if header[0] is None:
+                        break
+                    name, shape, dtype = header[0]
+                    tensor = torch.empty(shape, dtype=dtype, device=self.device)
+                    dist.recv(tensor, src=source)
+                    yield name, tensor
+
+    def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> Path:
+        return save_engine_checkpoint(self, directory, extra_state, keep=self.cfg.train.keep_checkpoints)
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        return load_engine_checkpoint(self, directory)
+
+
+def _rows(tensor: Tensor, rows: slice, size: int) -> Tensor:
+    """`size` rows from `rows.start`, zero-padded past the end (the padding rows of a micro-batch)."""
+    part = tensor[rows]
+    if part.shape[0] < size:
+        part = torch.cat([part, part.new_zeros(size - part.shape[0], *part.shape[1:])])
+    return part

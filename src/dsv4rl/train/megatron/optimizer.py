@@ -1,0 +1,174 @@
+"""Gradient finalisation and the optimizer of the Megatron engine.
+
+Gradients: megatron-core's `DistributedDataParallel` buckets and reduces them over data-parallel
+ranks (experts over expert-data-parallel ranks). dsv4rl's loss is already normalised by the global
+token count (`dsv4rl.algo.loss`), so the reduction is a sum (`calculate_per_token_loss`) and
+`finalize_gradients` passes no token count. Parameters computed on a tensor-parallel rank's share of
+the tokens (the MoE router under the block's token split) are summed over TP here as well.
+
+Optimizer: on GPUs megatron-core's distributed optimizer (Adam, fp32 main weights, gradient clipping
+over all model-parallel ranks) with `parallel.train.optimizer_cpu_offload` / `optimizer_offload_fraction`.
+Without a GPU megatron's optimizers cannot run (their CUDA type checks and streams), so
+`ModelParallelAdamW` does the same step with torch's AdamW: the gradient norm counts each tensor once
+across tensor-, data- and expert-data-parallel copies, then clips.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+
+from dsv4rl.config.schema import Config
+
+
+def finalize_gradients(
+    model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None, **_: Any
+) -> None:
+    """megatron's schedule calls this after the last backward (config.finalize_model_grads_func)."""
+    finalize_model_grads(model, None)
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    for chunk in model:
+        for parameter in chunk.parameters():
+            if getattr(parameter, "sequence_parallel", False) and parameter.requires_grad:
+                dist.all_reduce(parameter.main_grad, group=group)
+
+
+class StepOptimizer(Protocol):
+    """What the engine needs: zero, set the learning rate, step (returns the pre-clip gradient norm)."""
+
+    def zero_grad(self) -> None: ...
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def step(self) -> float: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _is_expert(parameter: torch.nn.Parameter) -> bool:
+    return not getattr(parameter, "allreduce", True)  # megatron marks expert parameters allreduce=False
+
+
+def _counted_once(parameter: torch.nn.Parameter) -> bool:
+    """Whether this rank's copy of the parameter enters the global gradient norm."""
+    if _is_expert(parameter):
+        return parallel_state.get_expert_data_parallel_rank() == 0
+    if parallel_state.get_data_parallel_rank() != 0:
+        return False
+    return (
+        getattr(parameter, "tensor_model_parallel", False)
+        or parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+
+
+class ModelParallelAdamW:
+    """torch AdamW on megatron's gradient buffers (`main_grad`), clipped by the model-parallel norm."""
+
+    def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
+        optim = cfg.optim
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        self.grad_clip = optim.grad_clip
+        self.optimizer = torch.optim.AdamW(
+            self.parameters,
+            lr=optim.lr,
+            betas=(float(optim.betas[0]), float(optim.betas[1])),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+
+    def zero_grad(self) -> None:
+        for parameter in self.parameters:
+            parameter.grad = None
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> float:
+        squares = torch.zeros(1, dtype=torch.float64)
+        for parameter in self.parameters:
+            parameter.grad = parameter.main_grad.to(parameter.dtype)
+            if _counted_once(parameter):
+                squares += parameter.grad.double().pow(2).sum().cpu()
+        dist.all_reduce(squares)
+        norm = math.sqrt(float(squares))
+        if self.grad_clip > 0 and norm > self.grad_clip:
+            torch._foreach_mul_([p.grad for p in self.parameters], self.grad_clip / (norm + 1e-6))
+        self.optimizer.step()
+        return norm
+
+    def initialise_state(self) -> None:
+        """Adam's moments at zero for parameters that have none yet (what a checkpoint loads into)."""
+        for parameter in self.parameters:
+            state = self.optimizer.state[parameter]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+class MegatronDistributedAdam:
+    """megatron-core's distributed optimizer (GPU only), with the recipe's CPU offload fraction."""
+
+    def __init__(self, model: torch.nn.Module, cfg: Config, dtype: torch.dtype) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        optim, train = cfg.optim, cfg.parallel.train
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=optim.lr,
+            weight_decay=optim.weight_decay,
+            adam_beta1=float(optim.betas[0]),
+            adam_beta2=float(optim.betas[1]),
+            adam_eps=optim.eps,
+            clip_grad=optim.grad_clip,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            use_distributed_optimizer=True,
+            optimizer_cpu_offload=train.optimizer_cpu_offload,
+            optimizer_offload_fraction=train.optimizer_offload_fraction
+            if train.optimizer_cpu_offload
+            else 0.0,
+            use_precision_aware_optimizer=train.precision_aware_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(config, [model])
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> float:
+        _, norm, _ = self.optimizer.step()
+        return float(norm or 0.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config, dtype: torch.dtype, on_gpu: bool) -> StepOptimizer:
+    if cfg.optim.name.lower() != "adamw":
+        raise ValueError(f"optim.name={cfg.optim.name!r}: the megatron engine supports only 'adamw'")
+    if on_gpu:
+        return MegatronDistributedAdam(model, cfg, dtype)
+    return ModelParallelAdamW(model, cfg)

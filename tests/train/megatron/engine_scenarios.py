@@ -1,0 +1,107 @@
+"""Run under torchrun (gloo, CPU): MegatronTrainEngine at a parallel layout on the tiny checkpoint.
+Writes OUT/results.pt on rank 0 for tests/train/megatron/test_megatron_engine.py.
+
+Usage: engine_scenarios.py OUT TP PP EP [LAST_STAGE_LAYERS] [--with-fsdp] [--load CHECKPOINT]
+At world size 1, `--with-fsdp` also runs the FSDP engine on the same batches (the reference).
+`--load CHECKPOINT` only loads a checkpoint (written at any layout) and exports the weights.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/train: the FSDP scenario helpers
+from dist_scenarios import config, make_batch  # noqa: E402
+
+from dsv4rl.config.schema import Config, TrainBackend  # noqa: E402
+from dsv4rl.model.tiny import materialize_model  # noqa: E402
+from dsv4rl.train.checkpoint import checkpoint_dir  # noqa: E402
+from dsv4rl.train.engines import build_train_engine  # noqa: E402
+
+
+def megatron_config(tensor: int, pipeline: int, expert: int, last: int | None, **over) -> Config:
+    cfg = config(**over)
+    train = cfg.parallel.train
+    train.backend = TrainBackend.megatron
+    train.tensor_parallel, train.pipeline_parallel, train.expert_parallel = tensor, pipeline, expert
+    train.last_stage_layers = last
+    cfg.train.micro_batch_size = 2  # several micro-batches per mini-batch: the pipeline schedule runs
+    return cfg
+
+
+def synced(engine) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    return {name: tensor.clone().cpu() for name, tensor in engine.named_weights_for_sync()}
+
+
+def run(engine, batches: list, out: dict, prefix: str) -> None:  # noqa: ANN001
+    out[f"{prefix}_initial"] = synced(engine)
+    out[f"{prefix}_logprobs"] = engine.compute_logprobs(batches[0].input_ids).cpu()
+    metrics = []
+    for batch in batches:
+        shard = batch.shard(engine.data_parallel_rank, engine.data_parallel_size, num_mini_batches=2)
+        metrics.append(engine.train_step(shard, temperature=0.9))
+    out[f"{prefix}_metrics"] = metrics
+    out[f"{prefix}_after"] = synced(engine)
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    tensor, pipeline, expert = (int(a) for a in sys.argv[2:5])
+    last = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5].isdigit() else None
+    with_fsdp = "--with-fsdp" in sys.argv
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model_dir = out_dir / "model"
+    if rank == 0:
+        materialize_model(Config().model, str(model_dir))
+    dist.barrier()
+    # every loss feature on: 2 updates per step, KL to a reference, entropy bonus, TIS
+    features = dict(algo__updates_per_step=2, algo__kl_coef=0.1, algo__entropy_coef=0.01, optim__eps=1e-4)
+    batches = [make_batch(8, seed=10 + step) for step in range(2)]
+    results: dict = {"sizes": (tensor, pipeline, expert)}
+    if "--load" in sys.argv:
+        cfg = megatron_config(tensor, pipeline, expert, last, **features)
+        engine = build_train_engine(cfg, str(model_dir), None)
+        results["extra"] = engine.load_checkpoint(sys.argv[sys.argv.index("--load") + 1])
+        results["loaded"] = synced(engine)
+        if rank == 0:
+            torch.save(results, out_dir / "results.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+
+    engine = build_train_engine(
+        megatron_config(tensor, pipeline, expert, last, **features), str(model_dir), None
+    )
+    results["data_parallel"] = (engine.data_parallel_rank, engine.data_parallel_size)
+    run(engine, batches, results, "megatron")
+    root = out_dir / "ckpt"
+    saved = engine.save_checkpoint(str(checkpoint_dir(root, engine.step)), {"cursor": 7})
+    results["checkpoint"] = str(saved)
+    # train on, then load the checkpoint back: the weights return to the saved ones
+    engine.train_step(
+        batches[0].shard(engine.data_parallel_rank, engine.data_parallel_size, 2), temperature=0.9
+    )
+    extra = engine.load_checkpoint(str(saved))
+    results["extra"] = extra
+    results["reloaded"] = synced(engine)
+    results["reloaded_step"] = engine.step
+    del engine
+
+    if with_fsdp:
+        cfg = config(**features)
+        cfg.train.micro_batch_size = 2
+        fsdp = build_train_engine(cfg, str(model_dir), None)
+        run(fsdp, batches, results, "fsdp")
+    if rank == 0:
+        torch.save(results, out_dir / "results.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
