@@ -332,3 +332,25 @@ def test_a_busy_attention_dp_port_is_named(monkeypatch):
     monkeypatch.setattr("dsv4rl.launcher.plan.port_is_free", lambda host, port: port != busy)
     with pytest.raises(PortInUse, match=rf"port {busy} .*attention DP, port \+ 235.*engine.port="):
         check_ports(cfg)
+
+
+def test_plan_shows_the_training_layout_of_the_reference_run() -> None:
+    """dapo_math: Megatron TP1/PP4/EP4 over 16 ranks, 43 layers as 11+11+11+10, full recompute, 75 % of
+    the optimizer offloaded (the reference run's layout)."""
+    from dsv4rl.config.compose import compose
+    from dsv4rl.launcher.plan_view import cluster_plan
+
+    layout = cluster_plan(compose("dapo_math", []), nodes=[0])["training"]
+    assert layout == {
+        "backend": "megatron",
+        "world_size": 16,
+        "tensor_parallel": 1,
+        "pipeline_parallel": 4,
+        "stage_layers": [11, 11, 11, 10],
+        "expert_parallel": 4,
+        "expert_tensor_parallel": 1,
+        "data_parallel": 4,
+        "recompute": "full",
+        "optimizer_cpu_offload": True,
+        "optimizer_offload_fraction": 0.75,
+    }

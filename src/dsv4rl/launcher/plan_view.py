@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dsv4rl.config.compose import ConfigError
+from dsv4rl.config.rules_base import data_parallel_size, num_layers
 from dsv4rl.config.schema import Config
 from dsv4rl.launcher.engine_keys import ADMIN_KEY_ENV, engine_keys_file, engines_need_keys
 from dsv4rl.launcher.engine_python import engine_python
@@ -106,10 +107,51 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
             "keys_file": str(engine_keys_file(run_dir)) if engines_need_keys(cfg) else None,
             "weight_sync_timeout_s": cfg.sync.timeout_s,
         },
+        "training": training_layout(cfg),
         "engines": engines,
         "nodes": [node_plan(cfg, run_dir, n) for n in nodes],
         "warnings": list(warnings or []),
     }
+
+
+def stage_layers(cfg: Config) -> list[int]:
+    """Decoder layers per pipeline stage: `last_stage_layers` on the last, the rest split evenly."""
+    t, layers = cfg.parallel.train, num_layers(cfg)
+    if t.pipeline_parallel == 1:
+        return [layers]
+    last = t.last_stage_layers if t.last_stage_layers is not None else layers // t.pipeline_parallel
+    return [(layers - last) // (t.pipeline_parallel - 1)] * (t.pipeline_parallel - 1) + [last]
+
+
+def training_layout(cfg: Config) -> dict[str, Any]:
+    t = cfg.parallel.train
+    return {
+        "backend": t.backend.value,
+        "world_size": t.nnodes * t.nproc_per_node,
+        "tensor_parallel": t.tensor_parallel,
+        "pipeline_parallel": t.pipeline_parallel,
+        "stage_layers": stage_layers(cfg),
+        "expert_parallel": t.expert_parallel,
+        "expert_tensor_parallel": t.expert_tensor_parallel,
+        "data_parallel": data_parallel_size(cfg),
+        "recompute": t.recompute.value,
+        "optimizer_cpu_offload": t.optimizer_cpu_offload,
+        "optimizer_offload_fraction": t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
+    }
+
+
+def _layout_text(layout: dict[str, Any]) -> str:
+    stages = "+".join(str(n) for n in layout["stage_layers"])
+    offload = (
+        f"{layout['optimizer_offload_fraction']:.0%} of the optimizer on the CPU"
+        if layout["optimizer_cpu_offload"]
+        else "no optimizer offload"
+    )
+    return (
+        f"training: {layout['backend']} on {layout['world_size']} rank(s), TP{layout['tensor_parallel']}/"
+        f"PP{layout['pipeline_parallel']}/EP{layout['expert_parallel']}/DP{layout['data_parallel']} "
+        f"(layers per stage {stages}), recompute {layout['recompute']}, {offload}"
+    )
 
 
 def _env_text(env: dict[str, str]) -> str:
@@ -139,6 +181,7 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     console.print(
         f"weight-update group timeout: {engine['weight_sync_timeout_s']:g} s on trainer and engines"
     )
+    console.print(_layout_text(plan["training"]))
     for node in plan["nodes"]:
         table = Table(show_lines=True, expand=False)
         for column in ("process", "role", "gpus", "port", "command"):

@@ -1,9 +1,10 @@
 """Run under torchrun (gloo, CPU): MegatronTrainEngine at a parallel layout on the tiny checkpoint.
 Writes OUT/results.pt on rank 0 for tests/train/megatron/test_megatron_engine.py.
 
-Usage: engine_scenarios.py OUT TP PP EP [LAST_STAGE_LAYERS] [--with-fsdp] [--load CHECKPOINT]
+Usage: engine_scenarios.py OUT TP PP EP [LAST_STAGE_LAYERS] [--with-fsdp] [--load CHECKPOINT] [--recompute]
 At world size 1, `--with-fsdp` also runs the FSDP engine on the same batches (the reference).
 `--load CHECKPOINT` only loads a checkpoint (written at any layout) and exports the weights.
+`--recompute` trains with full activation recompute.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/train: the FSDP scenario helpers
 from dist_scenarios import config, make_batch  # noqa: E402
 
-from dsv4rl.config.schema import Config, TrainBackend  # noqa: E402
+from dsv4rl.config.schema import Config, RecomputeMode, TrainBackend  # noqa: E402
 from dsv4rl.model.tiny import materialize_model  # noqa: E402
 from dsv4rl.train.checkpoint import checkpoint_dir  # noqa: E402
 from dsv4rl.train.engines import build_train_engine  # noqa: E402
@@ -30,6 +31,8 @@ def megatron_config(tensor: int, pipeline: int, expert: int, last: int | None, *
     train.tensor_parallel, train.pipeline_parallel, train.expert_parallel = tensor, pipeline, expert
     train.last_stage_layers = last
     cfg.train.micro_batch_size = 2  # several micro-batches per mini-batch: the pipeline schedule runs
+    if "--recompute" in sys.argv:
+        train.recompute = RecomputeMode.full
     return cfg
 
 

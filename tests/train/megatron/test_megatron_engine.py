@@ -10,8 +10,9 @@ import torch
 from test_megatron_model import collect, launch
 
 SCRIPT = Path(__file__).with_name("engine_scenarios.py")
-# (tensor, pipeline, expert, last stage layers)
+# (tensor, pipeline, expert, last stage layers); PP=2 also recomputes every block (full recompute)
 LAYOUTS = {"tp2": (2, 1, 1, None), "pp2": (1, 2, 1, 1), "ep2": (1, 1, 2, None)}
+FLAGS = {"pp2": ("--recompute",)}
 
 
 def _run(root: Path, name: str, layout: tuple, *flags: str) -> dict:
@@ -30,7 +31,7 @@ def single(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("megatron_layouts")
-    out = {name: _run(root, name, layout) for name, layout in LAYOUTS.items()}
+    out = {name: _run(root, name, layout, *FLAGS.get(name, ())) for name, layout in LAYOUTS.items()}
     # a checkpoint written at TP=2 loads at world size 1 (megatron's distributed checkpoint reshards)
     out["tp2_loaded_at_w1"] = _run(root, "load", (1, 1, 1, None), "--load", out["tp2"]["checkpoint"])
     return out

@@ -25,7 +25,7 @@ from torch import Tensor
 from dsv4rl.algo.grpo import kl_penalty, token_logprobs
 from dsv4rl.algo.loss import micro_batch_loss, normaliser_share
 from dsv4rl.algo.mismatch import correction_weights
-from dsv4rl.config.schema import Config
+from dsv4rl.config.schema import Config, RecomputeMode
 from dsv4rl.model.native_checkpoint import load_native_model
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.fsdp_engine import LearningRateSchedule
@@ -46,7 +46,7 @@ def parallel_sizes(cfg: Config) -> ParallelSizes:
         pipeline=t.pipeline_parallel,
         expert=t.expert_parallel,
         last_stage_layers=t.last_stage_layers,
-        recompute=t.recompute.value,
+        recompute=RecomputeMode(t.recompute).value,
     )
 
 

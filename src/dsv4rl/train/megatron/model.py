@@ -28,6 +28,7 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import Tensor
 from transformers import DeepseekV4Config
 
+from dsv4rl.train.megatron import cpu_compat
 from dsv4rl.train.megatron.architecture import DeepseekV4Architecture, RoutingKind
 from dsv4rl.train.megatron.attention import DeepseekV4Attention
 from dsv4rl.train.megatron.compressor import RMSNorm
@@ -110,6 +111,14 @@ class DeepseekV4Block(MegatronModule):
         return mixed.view(shape)
 
 
+def recompute(function, *args: Tensor) -> Tensor:  # noqa: ANN001
+    """Full recompute of one block: megatron's checkpoint (it restores the CUDA RNG tracker's states)
+    on GPUs; torch's on CPU, where there is no CUDA RNG state and the blocks draw no random numbers."""
+    if cpu_compat.is_active():
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    return tensor_parallel.checkpoint(function, False, *args)
+
+
 class DeepseekV4Decoder(MegatronModule):
     """This stage's blocks, plus the stream contraction and final norm on the last stage."""
 
@@ -149,9 +158,7 @@ class DeepseekV4Decoder(MegatronModule):
     def forward(self, streams: Tensor, token_ids: Tensor, rope: dict[str, RotaryTables]) -> Tensor:
         for block in self.layers:
             if self.config.recompute_granularity == "full" and torch.is_grad_enabled():
-                streams = tensor_parallel.checkpoint(
-                    lambda s, t, b=block: b(s, t, rope), False, streams, token_ids
-                )
+                streams = recompute(lambda s, t, b=block: b(s, t, rope), streams, token_ids)
             else:
                 streams = block(streams, token_ids, rope)
         if self.post_process:
