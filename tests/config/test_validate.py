@@ -452,3 +452,31 @@ def test_lr_schedule_settings(tiny: Config, key: str, value: object, message: st
     setattr(tiny.optim, key, value)
     with pytest.raises(ConfigError, match=message):
         validate(tiny, check_paths=False)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("context_parallel", 2, "no context parallelism"),
+        ("expert_tensor_parallel", 2, "keeps each expert whole"),
+        ("tensor_parallel", 3, "must divide the attention heads (4) and the output groups (2)"),
+    ],
+)
+def test_megatron_layouts_it_cannot_run_are_refused(tiny: Config, key: str, value: int, message: str) -> None:
+    tiny.parallel.train.backend = TrainBackend.megatron
+    tiny.parallel.train.nproc_per_node = 6
+    setattr(tiny.parallel.train, key, value)
+    assert_problem(tiny, message)
+
+
+def test_megatron_heads_are_checked_against_the_checkpoint(dapo: Config, tmp_path: Path) -> None:
+    """A model directory's own head and output-group counts bound tensor_parallel too."""
+    model = tmp_path / "model"
+    materialize_model(ModelConfig(), str(model))  # the tiny model: 4 heads, 2 output groups
+    dapo.model.path = str(model)
+    dapo.parallel.train.tensor_parallel = 4
+    problems: list[str] = []
+    rules_machine.check_built(dapo, problems.append)
+    assert any("must divide the attention heads (4) and the output groups (2)" in p for p in problems), (
+        problems
+    )

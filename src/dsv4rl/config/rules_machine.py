@@ -13,7 +13,8 @@ from safetensors import safe_open
 
 from dsv4rl.config.rules_base import Add
 from dsv4rl.config.schema import Config
-from dsv4rl.model.native_checkpoint import CheckpointError, checkpoint_files
+from dsv4rl.config.rules_parallel import check_megatron_heads
+from dsv4rl.model.native_checkpoint import CheckpointError, checkpoint_files, read_config
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 NODE_ADDRS_FIX = (
@@ -71,8 +72,14 @@ def check_built(cfg: Config, add: Add) -> None:
         return
     try:
         parameters = checkpoint_parameters(cfg.model.path)
-    except (CheckpointError, OSError):
+        config = read_config(cfg.model.path)
+    except (CheckpointError, OSError, ValueError):
         return  # check_paths reports an unreadable model directory
+    heads = config.get("num_attention_heads", config.get("n_heads"))
+    if heads is not None and "o_groups" in config:
+        check_megatron_heads(
+            cfg.parallel.train.tensor_parallel, heads, config["o_groups"], cfg.model.path, add
+        )
     if parameters > MEGATRON_FULL_LOAD_LIMIT_PARAMETERS:
         add(
             f"parallel.train.backend=megatron: every training rank loads the whole checkpoint "

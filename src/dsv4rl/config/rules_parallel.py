@@ -71,6 +71,8 @@ def check_train_layout(cfg: Config, add: Add) -> None:
                 f"the fsdp backend shards data only, but parallel.train has {', '.join(bad)}: set them to 1 "
                 "or use parallel.train.backend=megatron"
             )
+    if t.backend == TrainBackend.megatron:
+        _check_megatron(cfg, add)
     if cfg.cluster.gpus_per_node > 0 and t.nproc_per_node > cfg.cluster.gpus_per_node:
         add(
             f"parallel.train.nproc_per_node={t.nproc_per_node} exceeds cluster.gpus_per_node="
@@ -86,6 +88,32 @@ def check_train_layout(cfg: Config, add: Add) -> None:
             f"parallel.train.optimizer_offload_fraction={t.optimizer_offload_fraction} has no effect "
             "without parallel.train.optimizer_cpu_offload=true"
         )
+
+
+def check_megatron_heads(tensor_parallel: int, heads: int, o_groups: int, source: str, add: Add) -> None:
+    """The Megatron engine splits attention heads and output groups over TP ranks."""
+    if heads % tensor_parallel or o_groups % tensor_parallel:
+        add(
+            f"parallel.train.tensor_parallel={tensor_parallel} must divide the attention heads ({heads}) and "
+            f"the output groups ({o_groups}) of {source}: the Megatron engine splits both over TP ranks"
+        )
+
+
+def _check_megatron(cfg: Config, add: Add) -> None:
+    t = cfg.parallel.train
+    if t.context_parallel != 1:
+        add(
+            f"parallel.train.context_parallel={t.context_parallel}: the Megatron engine has no context "
+            "parallelism for DeepSeek-V4's compressed attention; set it to 1"
+        )
+    if t.expert_tensor_parallel != 1:
+        add(
+            f"parallel.train.expert_tensor_parallel={t.expert_tensor_parallel}: the Megatron engine keeps each "
+            "expert whole on one rank (split experts over ranks with expert_parallel); set it to 1"
+        )
+    if cfg.model.path is None:
+        tiny = cfg.model.tiny
+        check_megatron_heads(t.tensor_parallel, tiny.num_attention_heads, tiny.o_groups, "model.tiny", add)
 
 
 def _check_pipeline(cfg: Config, add: Add) -> None:

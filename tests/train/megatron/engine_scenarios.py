@@ -1,10 +1,10 @@
 """Run under torchrun (gloo, CPU): MegatronTrainEngine at a parallel layout on the tiny checkpoint.
 Writes OUT/results.pt on rank 0 for tests/train/megatron/test_megatron_engine.py.
 
-Usage: engine_scenarios.py OUT TP PP EP [LAST_STAGE_LAYERS] [--with-fsdp] [--load CHECKPOINT] [--recompute]
+Usage: engine_scenarios.py OUT TP PP EP [LAST_STAGE_LAYERS] [--with-fsdp] [--load CHECKPOINT] [--recompute MODE [N]]
 At world size 1, `--with-fsdp` also runs the FSDP engine on the same batches (the reference).
 `--load CHECKPOINT` only loads a checkpoint (written at any layout) and exports the weights.
-`--recompute` trains with full activation recompute.
+`--recompute MODE [N]` trains with activation recompute (full: N blocks per chunk, or selective).
 """
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ def megatron_config(tensor: int, pipeline: int, expert: int, last: int | None, *
     train.tensor_parallel, train.pipeline_parallel, train.expert_parallel = tensor, pipeline, expert
     train.last_stage_layers = last
     cfg.train.micro_batch_size = 2  # several micro-batches per mini-batch: the pipeline schedule runs
-    if "--recompute" in sys.argv:
-        train.recompute = RecomputeMode.full
+    if "--recompute" in sys.argv:  # --recompute MODE [BLOCKS PER CHUNK]
+        at = sys.argv.index("--recompute")
+        train.recompute = RecomputeMode(sys.argv[at + 1])
+        if len(sys.argv) > at + 2 and sys.argv[at + 2].isdigit():
+            train.recompute_granularity_layers = int(sys.argv[at + 2])
     return cfg
 
 
@@ -62,8 +65,14 @@ def main() -> None:
     if rank == 0:
         materialize_model(Config().model, str(model_dir))
     dist.barrier()
-    # every loss feature on: 2 updates per step, KL to a reference, entropy bonus, TIS
-    features = dict(algo__updates_per_step=2, algo__kl_coef=0.1, algo__entropy_coef=0.01, optim__eps=1e-4)
+    # the loss features on: 2 updates per step, KL to a reference, entropy bonus, TIS
+    features = dict(
+        algo__updates_per_step=2,
+        algo__kl_coef=0.1,
+        algo__entropy_coef=0.01,
+        algo__tis__enabled=True,
+        optim__eps=1e-4,
+    )
     batches = [make_batch(8, seed=10 + step) for step in range(2)]
     results: dict = {"sizes": (tensor, pipeline, expert)}
     if "--load" in sys.argv:

@@ -10,9 +10,9 @@ import torch
 from test_megatron_model import collect, launch
 
 SCRIPT = Path(__file__).with_name("engine_scenarios.py")
-# (tensor, pipeline, expert, last stage layers); PP=2 also recomputes every block (full recompute)
+# (tensor, pipeline, expert, last stage layers); the recompute modes ride along (they change no number)
 LAYOUTS = {"tp2": (2, 1, 1, None), "pp2": (1, 2, 1, 1), "ep2": (1, 1, 2, None)}
-FLAGS = {"pp2": ("--recompute",)}
+FLAGS = {"pp2": ("--recompute", "full", "2"), "ep2": ("--recompute", "selective")}
 
 
 def _run(root: Path, name: str, layout: tuple, *flags: str) -> dict:

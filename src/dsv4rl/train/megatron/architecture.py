@@ -108,6 +108,7 @@ class ParallelSizes:
     expert: int = 1
     last_stage_layers: int | None = None
     recompute: str = "none"  # none | full | selective
+    recompute_layers: int = 1  # blocks per recomputed chunk (full recompute)
 
 
 def transformer_config(
@@ -116,7 +117,7 @@ def transformer_config(
     """megatron-core's config for this model: its MoE layer, parallel linears and schedules read it."""
     recompute = {} if sizes.recompute == "none" else {"recompute_granularity": sizes.recompute}
     if sizes.recompute == "full":
-        recompute.update(recompute_method="uniform", recompute_num_layers=1)
+        recompute.update(recompute_method="uniform", recompute_num_layers=sizes.recompute_layers)
     layout = {}
     if sizes.pipeline > 1 and sizes.last_stage_layers is not None:
         layout["num_layers_in_last_pipeline_stage"] = sizes.last_stage_layers

@@ -27,6 +27,7 @@ from megatron.core.transformer.utils import (
 )
 from torch import Tensor
 
+from dsv4rl.train.megatron import cpu_compat
 from dsv4rl.train.megatron.architecture import AttentionKind, DeepseekV4Architecture
 from dsv4rl.train.megatron.compressor import Compressor, Indexer, RMSNorm, linear, visible_entries
 from dsv4rl.train.megatron.hyper_connection import unweighted_rms_norm
@@ -178,7 +179,11 @@ class DeepseekV4Attention(MegatronModule):
             keys = torch.cat([keys, entries], dim=1)
             bias = torch.cat([bias, entry_bias], dim=-1)
 
-        output = self._attend(q, keys, bias)  # [B, S, h, d]
+        if self.config.recompute_granularity == "selective" and torch.is_grad_enabled():
+            # selective recompute: the [B, h, S, K] scores are rebuilt in backward, not kept
+            output = cpu_compat.recompute(self._attend, q, keys, bias)
+        else:
+            output = self._attend(q, keys, bias)  # [B, S, h, d]
         output = apply_interleaved_rope(output, cos, -sin)
         grouped = output.reshape(batch * seq, self.local_groups, -1).transpose(0, 1)
         weight = self.linear_o_group_proj.view(self.local_groups, arch.o_lora_rank, -1).transpose(1, 2)

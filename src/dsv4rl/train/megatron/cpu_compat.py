@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.utils.checkpoint
 
 _ACTIVE = False
 
@@ -82,3 +83,13 @@ def activate() -> bool:
 
 def is_active() -> bool:
     return _ACTIVE
+
+
+def recompute(function: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    """Activation recompute: megatron's checkpoint on GPUs (it saves and restores the CUDA RNG
+    tracker's states); torch's on CPU, where there is no CUDA RNG state and nothing random is drawn."""
+    if _ACTIVE:
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.checkpoint(function, False, *args)

@@ -47,6 +47,7 @@ def parallel_sizes(cfg: Config) -> ParallelSizes:
         expert=t.expert_parallel,
         last_stage_layers=t.last_stage_layers,
         recompute=RecomputeMode(t.recompute).value,
+        recompute_layers=t.recompute_granularity_layers,
     )
 
 

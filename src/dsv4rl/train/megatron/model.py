@@ -7,7 +7,8 @@ megatron's pipeline tensor: the [B, S, N, D] streams are laid out [S * N, B, D],
 (seq_length * hc_mult, micro_batch, hidden) shape carries them unchanged.
 
 A block is `hc_pre -> attn_norm -> attention -> hc_post`, then `hc_pre -> ffn_norm -> MoE -> hc_post`.
-Full recompute wraps each block in megatron's `tensor_parallel.checkpoint`.
+Full recompute keeps only the input of every `recompute_num_layers` blocks (the recipe's
+`recompute_granularity_layers`); selective recompute only the attention core (`attention.py`).
 """
 
 from __future__ import annotations
@@ -111,12 +112,12 @@ class DeepseekV4Block(MegatronModule):
         return mixed.view(shape)
 
 
-def recompute(function, *args: Tensor) -> Tensor:  # noqa: ANN001
-    """Full recompute of one block: megatron's checkpoint (it restores the CUDA RNG tracker's states)
-    on GPUs; torch's on CPU, where there is no CUDA RNG state and the blocks draw no random numbers."""
-    if cpu_compat.is_active():
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
-    return tensor_parallel.checkpoint(function, False, *args)
+def _run_blocks(
+    blocks: list[DeepseekV4Block], streams: Tensor, token_ids: Tensor, rope: dict[str, RotaryTables]
+) -> Tensor:
+    for block in blocks:
+        streams = block(streams, token_ids, rope)
+    return streams
 
 
 class DeepseekV4Decoder(MegatronModule):
@@ -156,11 +157,17 @@ class DeepseekV4Decoder(MegatronModule):
         return sharded
 
     def forward(self, streams: Tensor, token_ids: Tensor, rope: dict[str, RotaryTables]) -> Tensor:
-        for block in self.layers:
-            if self.config.recompute_granularity == "full" and torch.is_grad_enabled():
-                streams = recompute(lambda s, t, b=block: b(s, t, rope), streams, token_ids)
-            else:
-                streams = block(streams, token_ids, rope)
+        blocks = list(self.layers)
+        if self.config.recompute_granularity == "full" and torch.is_grad_enabled():
+            # full recompute: keep only each chunk's input, `recompute_num_layers` blocks a chunk
+            size = self.config.recompute_num_layers or 1
+            for start in range(0, len(blocks), size):
+                chunk = blocks[start : start + size]
+                streams = cpu_compat.recompute(
+                    lambda s, t, chunk=chunk: _run_blocks(chunk, s, t, rope), streams, token_ids
+                )
+        else:
+            streams = _run_blocks(blocks, streams, token_ids, rope)
         if self.post_process:
             return self.final_layernorm(self.hc_head(streams))
         return streams
