@@ -1,20 +1,18 @@
-"""Rules about this machine and network: paths that must exist, reachable addresses, what is built.
+"""Rules about this machine and network: paths that must exist, reachable addresses, what the model
+directory allows.
 
-`check_paths` and `check_built` read the filesystem or refuse unbuilt features, so `validate` runs them
-only with `check_paths=True`; `check_cluster_addresses` reads only the recipe and always runs.
+`check_paths` and `check_model_layout` read the filesystem, so `validate` runs them only with
+`check_paths=True`; `check_cluster_addresses` reads only the recipe and always runs.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-from safetensors import safe_open
-
 from dsv4rl.config.rules_base import Add
-from dsv4rl.config.schema import Config
 from dsv4rl.config.rules_parallel import check_megatron_heads
-from dsv4rl.model.native_checkpoint import CheckpointError, checkpoint_files, read_config
+from dsv4rl.config.schema import Config
+from dsv4rl.model.native_checkpoint import CheckpointError, read_config
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 NODE_ADDRS_FIX = (
@@ -49,44 +47,18 @@ def check_cluster_addresses(cfg: Config, add: Add) -> None:
         )
 
 
-# The Megatron engine reads the whole checkpoint into each rank (as float32) before keeping its shard.
-MEGATRON_FULL_LOAD_LIMIT_PARAMETERS = 2_000_000_000
-
-
-def checkpoint_parameters(directory: str | Path) -> int:
-    """About how many parameters a checkpoint holds, from its safetensors headers (packed FP4 counted
-    twice, their scales once)."""
-    total = 0
-    for path in checkpoint_files(directory):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                part = handle.get_slice(name)
-                count = math.prod(part.get_shape())
-                total += 2 * count if part.get_dtype() in ("I8", "U8") and "experts" in name else count
-    return total
-
-
-def check_built(cfg: Config, add: Add) -> None:
-    """Settings the schema plans for but this version cannot run yet: refuse them before anything starts."""
+def check_model_layout(cfg: Config, add: Add) -> None:
+    """What only the model directory tells: the Megatron engine splits its heads and output groups."""
     if cfg.parallel.train.backend.value != "megatron" or cfg.model.path is None:
         return
     try:
-        parameters = checkpoint_parameters(cfg.model.path)
         config = read_config(cfg.model.path)
     except (CheckpointError, OSError, ValueError):
         return  # check_paths reports an unreadable model directory
     heads = config.get("num_attention_heads", config.get("n_heads"))
     if heads is not None and "o_groups" in config:
-        check_megatron_heads(
-            cfg.parallel.train.tensor_parallel, heads, config["o_groups"], cfg.model.path, add
-        )
-    if parameters > MEGATRON_FULL_LOAD_LIMIT_PARAMETERS:
-        add(
-            f"parallel.train.backend=megatron: every training rank loads the whole checkpoint "
-            f"(about {parameters / 1e9:.0f} B parameters, {parameters * 4 / 2**30:.0f} GiB as float32) "
-            "before keeping its shard; the per-stage streaming loader a model this size needs is not "
-            f"built yet (the engine takes models up to {MEGATRON_FULL_LOAD_LIMIT_PARAMETERS / 1e9:.0f} B)"
-        )
+        tensor_parallel = cfg.parallel.train.tensor_parallel
+        check_megatron_heads(tensor_parallel, heads, config["o_groups"], cfg.model.path, add)
 
 
 def check_paths(cfg: Config, add: Add) -> None:

@@ -108,8 +108,8 @@ def _check_megatron(cfg: Config, add: Add) -> None:
         )
     if t.expert_tensor_parallel != 1:
         add(
-            f"parallel.train.expert_tensor_parallel={t.expert_tensor_parallel}: the Megatron engine keeps each "
-            "expert whole on one rank (split experts over ranks with expert_parallel); set it to 1"
+            f"parallel.train.expert_tensor_parallel={t.expert_tensor_parallel}: the Megatron engine keeps "
+            "each expert whole on one rank (split experts over ranks with expert_parallel); set it to 1"
         )
     if cfg.model.path is None:
         tiny = cfg.model.tiny

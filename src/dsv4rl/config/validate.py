@@ -72,7 +72,7 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     if check_paths:
         rules_machine.check_paths(cfg, problems.append)
         check_checkpoint_format(cfg, problems.append)
-        rules_machine.check_built(cfg, problems.append)
+        rules_machine.check_model_layout(cfg, problems.append)
     if len(problems) == 1:
         raise ConfigError(f"recipe {cfg.recipe!r}: {problems[0]}", problems)
     if problems:

@@ -1,7 +1,8 @@
 """Run under torchrun (gloo, CPU): MegatronTrainEngine at a parallel layout on the tiny checkpoint.
 Writes OUT/results.pt on rank 0 for tests/train/megatron/test_megatron_engine.py.
 
-Usage: engine_scenarios.py OUT TP PP EP [LAST_STAGE_LAYERS] [--with-fsdp] [--load CHECKPOINT] [--recompute MODE [N]]
+Usage: engine_scenarios.py OUT TP PP EP [LAST_STAGE_LAYERS] [--with-fsdp] [--load CHECKPOINT]
+                           [--recompute MODE [N]]
 At world size 1, `--with-fsdp` also runs the FSDP engine on the same batches (the reference).
 `--load CHECKPOINT` only loads a checkpoint (written at any layout) and exports the weights.
 `--recompute MODE [N]` trains with activation recompute (full: N blocks per chunk, or selective).

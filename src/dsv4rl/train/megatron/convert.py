@@ -21,6 +21,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import Tensor
 
+from dsv4rl.train.megatron.tensor_source import StateDictSource, TensorSource
+
 
 class Split(StrEnum):
     replicated = "replicated"
@@ -143,10 +145,12 @@ def placement(name: str, ranks: Ranks, num_experts: int) -> Placement:
     raise UnmappedTensor(name)
 
 
-def shard(full: Mapping[str, Tensor], where: Placement, ranks: Ranks) -> Tensor:
-    """This rank's piece of the transformers tensor(s) named by `where`."""
-    tensors = [full[name] for name in where.hf_names]
+def shard(source: TensorSource, where: Placement, ranks: Ranks) -> Tensor:
+    """This rank's piece of the transformers tensor(s) named by `where`, read from `source`."""
     size, rank = ranks.tensor_size, ranks.tensor
+    if where.split in (Split.expert_fc1, Split.expert_fc2):
+        return source.expert(where.hf_names[0], where.expert)  # fc1 [2I, H] = cat[w1; w3], fc2 [H, I]
+    tensors = [source.whole(name) for name in where.hf_names]
     if where.split == Split.replicated:
         return tensors[0]
     if where.split == Split.tp_rows:
@@ -157,10 +161,8 @@ def shard(full: Mapping[str, Tensor], where: Placement, ranks: Ranks) -> Tensor:
         return padded.chunk(size, dim=0)[rank]
     if where.split == Split.tp_columns:
         return tensors[0].chunk(size, dim=1)[rank]
-    if where.split == Split.tp_glu_rows:
-        gate, up = tensors
-        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
-    return tensors[0][where.expert]  # expert_fc1 [2I, H] = cat[w1; w3] / expert_fc2 [H, I]
+    gate, up = tensors  # tp_glu_rows
+    return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
 
 
 VOCAB_MULTIPLE = 128
@@ -191,12 +193,17 @@ def merge(pieces: list[Tensor], where: Placement, vocab_size: int) -> list[Tenso
     return [pieces[0]]
 
 
-@torch.no_grad()
 def load_hf_state(model: torch.nn.Module, full: Mapping[str, Tensor], ranks: Ranks, num_experts: int) -> None:
-    """Copy this rank's part of a transformers state dict into the Megatron model; every local tensor
-    must have a source (else UnmappedTensor)."""
+    """`load_weights` from an in-memory transformers state dict."""
+    load_weights(model, StateDictSource(full), ranks, num_experts)
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, source: TensorSource, ranks: Ranks, num_experts: int) -> None:
+    """Copy this rank's part of the weights into the Megatron model, tensor by tensor; every local
+    tensor must have a source (else UnmappedTensor)."""
     for name, tensor in local_tensors(model):
-        value = shard(full, placement(name, ranks, num_experts), ranks)
+        value = shard(source, placement(name, ranks, num_experts), ranks)
         if value.shape != tensor.shape:
             raise ValueError(
                 f"{name}: transformers gives {tuple(value.shape)}, Megatron holds {tuple(tensor.shape)}"

@@ -21,12 +21,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from torch import Tensor
+from transformers import DeepseekV4Config
 
 from dsv4rl.algo.grpo import kl_penalty, token_logprobs
 from dsv4rl.algo.loss import micro_batch_loss, normaliser_share
 from dsv4rl.algo.mismatch import correction_weights
 from dsv4rl.config.schema import Config, RecomputeMode
-from dsv4rl.model.native_checkpoint import load_native_model
+from dsv4rl.model.native_checkpoint import is_native_checkpoint, load_hf_config, load_native_model
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.fsdp_engine import LearningRateSchedule
 from dsv4rl.train.megatron import convert
@@ -35,8 +36,18 @@ from dsv4rl.train.megatron.checkpoint import load_engine_checkpoint, save_engine
 from dsv4rl.train.megatron.model import DeepseekV4Model
 from dsv4rl.train.megatron.optimizer import build_optimizer, finalize_gradients
 from dsv4rl.train.megatron.parallel import build_stage, initialize, run_pipeline
+from dsv4rl.train.megatron.tensor_source import NativeCheckpointSource, StateDictSource, TensorSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def weight_source(model_path: str) -> tuple[DeepseekV4Config, TensorSource]:
+    """The model's config and where each rank reads its own shard: a native checkpoint tensor by tensor
+    (the whole model never sits on one rank), or a transformers directory loaded whole."""
+    if is_native_checkpoint(model_path):
+        return load_hf_config(model_path), NativeCheckpointSource(model_path)
+    model = load_native_model(model_path, dtype=torch.float32)
+    return model.config, StateDictSource(model.state_dict())
 
 
 def parallel_sizes(cfg: Config) -> ParallelSizes:
@@ -63,14 +74,9 @@ class MegatronTrainEngine:
             torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
         )
         self.dtype = DTYPES[str(getattr(cfg.model.dtype, "value", cfg.model.dtype))]
-        # The transformers model of the checkpoint gives the config and the weights; each rank keeps
-        # only its shard (a per-stage streaming loader is what the 284B model will need).
-        source = load_native_model(model_path, dtype=torch.float32)
-        self.hf_config = source.config
-        state = source.state_dict()
-        self.model = self._build(state, trainable=True)
-        self.ref_model = self._build(state, trainable=False) if cfg.algo.kl_coef > 0 else None
-        del source, state
+        self.hf_config, source = weight_source(model_path)
+        self.model = self._build(source, trainable=True)
+        self.ref_model = self._build(source, trainable=False) if cfg.algo.kl_coef > 0 else None
         self.ddp = DistributedDataParallel(
             self.model.config,
             DistributedDataParallelConfig(use_distributed_optimizer=self.on_gpu, grad_reduce_in_fp32=True),
@@ -97,10 +103,10 @@ class MegatronTrainEngine:
         dist.broadcast_object_list(sources, src=0)
         self.stage_sources: list[int] = sources[0]
 
-    def _build(self, state: dict[str, Tensor], trainable: bool) -> DeepseekV4Model:
+    def _build(self, source: TensorSource, trainable: bool) -> DeepseekV4Model:
         model = build_stage(self.hf_config, self.sizes, self.dtype)
         model.to(self.device)
-        convert.load_hf_state(model, state, self.ranks(model), self.hf_config.n_routed_experts)
+        convert.load_weights(model, source, self.ranks(model), self.hf_config.n_routed_experts)
         model.eval()  # no dropout: the trainer's log-probs match the engines' and each other
         model.requires_grad_(trainable)
         return model
