@@ -1,4 +1,5 @@
-"""Run under torchrun (gloo, CPU): MegatronTrainEngine at a parallel layout on the tiny checkpoint.
+"""Run under torchrun (gloo on CPU, NCCL on GPUs): MegatronTrainEngine at a parallel layout on the tiny
+checkpoint.
 Writes OUT/results.pt on rank 0 for tests/train/megatron/test_megatron_engine.py.
 
 Usage: engine_scenarios.py OUT TP PP EP [LAST_STAGE_LAYERS] [--with-fsdp] [--load CHECKPOINT]
@@ -60,7 +61,8 @@ def main() -> None:
     tensor, pipeline, expert = (int(a) for a in sys.argv[2:5])
     last = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5].isdigit() else None
     with_fsdp = "--with-fsdp" in sys.argv
-    dist.init_process_group("gloo")
+    # on a GPU machine the same scenario runs the CUDA path: NCCL, megatron's distributed optimizer
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank()
     model_dir = out_dir / "model"
     if rank == 0:
