@@ -162,29 +162,25 @@ class MegatronTrainEngine:
             out.append(logprobs)
         return out
 
-    def compute_logprobs(self, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
-        """log p(input_ids[:, t+1] | input_ids[:, :t+1]), [B, T-1], no grad, on every rank."""
+    def _sequence_logprobs(self, model: torch.nn.Module, input_ids: Tensor, temperature: float) -> Tensor:
         input_ids = input_ids.to(self.device)
         if input_ids.shape[0] == 0:
             return torch.zeros(0, max(input_ids.shape[1] - 1, 0), device=self.device)
         size = self.cfg.train.micro_batch_size
         chunks = list(input_ids.split(size))
         rows = chunks[-1].shape[0]
-        if self.sizes.pipeline > 1 and rows < size:
+        if self.sizes.pipeline > 1 and rows < size:  # one shape for the schedule: repeat a row
             chunks[-1] = torch.cat([chunks[-1], chunks[-1][:1].expand(size - rows, -1)])
-        out = torch.cat(self._pipeline_logprobs(self.ddp, chunks, temperature))
-        return out[: input_ids.shape[0]]
+        return torch.cat(self._pipeline_logprobs(model, chunks, temperature))[: input_ids.shape[0]]
+
+    def compute_logprobs(self, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+        """log p(input_ids[:, t+1] | input_ids[:, :t+1]), [B, T-1], no grad, on every rank."""
+        return self._sequence_logprobs(self.ddp, input_ids, temperature)
 
     def compute_ref_logprobs(self, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
         if self.ref_model is None:
             raise RuntimeError("no reference model: it is loaded only when algo.kl_coef > 0")
-        return torch.cat(
-            self._pipeline_logprobs(
-                self.ref_model,
-                list(input_ids.to(self.device).split(self.cfg.train.micro_batch_size)),
-                temperature,
-            )
-        )
+        return self._sequence_logprobs(self.ref_model, input_ids, temperature)
 
     def _masked_logprobs(self, model: torch.nn.Module, batch: TrainBatch, temperature: float) -> Tensor:
         """Log-probs of the loss-bearing targets from the same micro-batches the update will use."""
