@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from dsv4rl.algo.grpo import _name, aggregate, entropy_from_logits, kl_penalty, policy_loss
+from dsv4rl.algo.mismatch import correction_weights
 from dsv4rl.config.schema import AlgoConfig
 
 
@@ -108,3 +109,59 @@ def micro_batch_loss(
         clipped_tokens=float(pg_metrics.get("clipfrac", 0.0)) * loss_mask.sum(),
         ref_kl_sum=ref_kl_sum,
     )
+
+
+# A train step's sums over response tokens, one float64 vector an engine all-reduces over ranks; the
+# engine adds the loss terms per micro-batch, `step_sums` gives the batch-derived ones.
+LOSS, ENTROPY, KL, CLIPPED, ABS_DIFF, TOKENS, TIS_CLIPPED, MIS_MASKED = range(8)
+
+
+def rollout_corrections(
+    algo: AlgoConfig, old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
+) -> tuple[Tensor | None, dict[str, float]]:
+    """TIS/MIS weights of the train-vs-rollout mismatch as `algo.tis` / `algo.mis` ask for them."""
+    return correction_weights(
+        old_logprobs,
+        rollout_logprobs,
+        loss_mask,
+        tis_clip=algo.tis.clip if algo.tis.enabled else None,
+        mis_bounds=(algo.mis.low, algo.mis.high) if algo.mis.enabled else None,
+    )
+
+
+def step_sums(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    loss_mask: Tensor,
+    corrections: dict[str, float],
+    with_reference: bool,
+) -> Tensor:
+    """The batch-derived sums of a step; without a reference model KL is k3 against the rollout."""
+    sums = torch.zeros(8, dtype=torch.float64, device=loss_mask.device)
+    sums[ABS_DIFF] = ((old_logprobs - rollout_logprobs).abs() * loss_mask).sum()
+    sums[TOKENS] = loss_mask.sum()
+    sums[TIS_CLIPPED] = corrections["tis_clipped"]
+    sums[MIS_MASKED] = corrections["mis_masked"]
+    if not with_reference:
+        sums[KL] = (kl_penalty(old_logprobs, rollout_logprobs, "k3") * loss_mask).sum()
+    return sums
+
+
+def step_metrics(
+    sums: Tensor, updates: int, grad_norms: list[float], lrs: list[float], with_reference: bool
+) -> dict[str, float]:
+    """The metrics of a step from its all-reduced sums (per response token, per update)."""
+    tokens = max(float(sums[TOKENS]), 1.0)
+    kl_tokens = tokens * (updates if with_reference else 1)
+    return {
+        "loss": float(sums[LOSS]) / updates,
+        "grad_norm": sum(grad_norms) / len(grad_norms),
+        "kl": float(sums[KL]) / kl_tokens,
+        "entropy": float(sums[ENTROPY]) / (tokens * updates),
+        "clipfrac": float(sums[CLIPPED]) / (tokens * updates),
+        "lr": lrs[-1],
+        "logprob_abs_diff": float(sums[ABS_DIFF]) / tokens,
+        "response_tokens": float(sums[TOKENS]),
+        "tis_clip_fraction": float(sums[TIS_CLIPPED]) / tokens,
+        "mis_masked_fraction": float(sums[MIS_MASKED]) / tokens,
+    }

@@ -104,18 +104,36 @@ def save_checkpoint(
     """Collective: every rank calls it. Returns the final directory. `keep` > 0 prunes older siblings."""
     rank, world = _rank_world()
     final = Path(directory)
+    tmp = prepare_staging(final)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    save_rank_state(tmp, extra_state)
+    trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "world_size": world}
+    return publish(tmp, final, trainer_state, keep)
+
+
+def prepare_staging(final: Path) -> Path:
+    """Collective: the empty `<final>.tmp` every rank writes into."""
     tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
+    if _rank_world()[0] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    return tmp
+
+
+def save_rank_state(tmp: Path, extra_state: dict[str, Any] | None) -> None:
+    """This rank's extra state and RNG states."""
+    rank = _rank_world()[0]
     torch.save({"extra": extra_state or {}, "rng": capture_rng_state()}, tmp / f"extra_rank{rank:05d}.pt")
+
+
+def publish(tmp: Path, final: Path, trainer_state: dict[str, Any], keep: int) -> Path:
+    """Collective, after every rank wrote into `tmp`: rank 0 writes `trainer_state` (the last file: its
+    presence marks completeness), renames `tmp` to `final` and prunes to the newest `keep`."""
     _barrier()
-    if rank == 0:
-        trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "world_size": world}
-        torch.save(trainer_state, tmp / TRAINER_STATE)  # last file: its presence marks completeness
+    if _rank_world()[0] == 0:
+        torch.save(trainer_state, tmp / TRAINER_STATE)
         old = final.with_name(final.name + ".old")
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)

@@ -20,9 +20,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from dsv4rl.algo.grpo import kl_penalty, token_logprobs
-from dsv4rl.algo.loss import gradient_scale, micro_batch_loss, normaliser_share
-from dsv4rl.algo.mismatch import correction_weights
+from dsv4rl.algo.grpo import token_logprobs
+from dsv4rl.algo.loss import (
+    CLIPPED,
+    ENTROPY,
+    KL,
+    LOSS,
+    gradient_scale,
+    micro_batch_loss,
+    normaliser_share,
+    rollout_corrections,
+    step_metrics,
+    step_sums,
+)
 from dsv4rl.config.schema import Config
 from dsv4rl.model.native_checkpoint import load_native_model
 from dsv4rl.train import checkpoint as ckpt
@@ -190,24 +200,8 @@ class FSDPTrainEngine:
         ref = batch.ref_logprobs
         if self.ref_model is not None and ref is None:
             ref = self._masked_logprobs(self.ref_model, batch, temp)
-        tis, corrections = correction_weights(
-            old,
-            batch.rollout_logprobs,
-            batch.loss_mask,
-            tis_clip=algo.tis.clip if algo.tis.enabled else None,
-            mis_bounds=(algo.mis.low, algo.mis.high) if algo.mis.enabled else None,
-        )
-
-        mask = batch.loss_mask
-        # sums over response tokens: [loss, entropy, kl, clipfrac, |old - rollout|, tokens, tis clipped,
-        # mis masked]
-        stats = torch.zeros(8, dtype=torch.float64, device=self.device)
-        stats[4] = ((old - batch.rollout_logprobs).abs() * mask).sum()
-        stats[5] = mask.sum()
-        stats[6] = corrections["tis_clipped"]
-        stats[7] = corrections["mis_masked"]
-        if ref is None:
-            stats[2] = (kl_penalty(old, batch.rollout_logprobs, "k3") * mask).sum()
+        tis, corrections = rollout_corrections(algo, old, batch.rollout_logprobs, batch.loss_mask)
+        stats = step_sums(old, batch.rollout_logprobs, batch.loss_mask, corrections, ref is not None)
         grad_norms, lrs = [], []
         row = 0
         for mini in batch.split(updates):
@@ -234,11 +228,11 @@ class FSDPTrainEngine:
                     tis_weights=None if tis is None else tis[rows, :n],
                 )
                 (out.loss_sum * scale).backward()
-                stats[0] += out.loss_sum.detach() / denom
-                stats[1] += out.entropy_sum
-                stats[3] += out.clipped_tokens
+                stats[LOSS] += out.loss_sum.detach() / denom
+                stats[ENTROPY] += out.entropy_sum
+                stats[CLIPPED] += out.clipped_tokens
                 if out.ref_kl_sum is not None:
-                    stats[2] += out.ref_kl_sum
+                    stats[KL] += out.ref_kl_sum
             grad_norms.append(self._clip_gradients())
             lrs.append(self.scheduler.get_last_lr()[0])
             self.optimizer.step()
@@ -246,20 +240,7 @@ class FSDPTrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         dist.all_reduce(stats)
-        tokens = max(float(stats[5]), 1.0)
-        kl_tokens = tokens * (updates if ref is not None else 1)
-        return {
-            "loss": float(stats[0]) / updates,
-            "grad_norm": sum(grad_norms) / len(grad_norms),
-            "kl": float(stats[2]) / kl_tokens,
-            "entropy": float(stats[1]) / (tokens * updates),
-            "clipfrac": float(stats[3]) / (tokens * updates),
-            "lr": lrs[-1],
-            "logprob_abs_diff": float(stats[4]) / tokens,
-            "response_tokens": float(stats[5]),
-            "tis_clip_fraction": float(stats[6]) / tokens,
-            "mis_masked_fraction": float(stats[7]) / tokens,
-        }
+        return step_metrics(stats, updates, grad_norms, lrs, ref is not None)
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

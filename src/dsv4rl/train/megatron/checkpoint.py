@@ -12,7 +12,6 @@ loop's extra state and each rank's RNG states). Written into `<dir>.tmp`, rename
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +23,13 @@ from megatron.core.dist_checkpointing.optimizer import (
     optim_state_to_sharding_state,
 )
 
-from dsv4rl.train.checkpoint import TRAINER_STATE, capture_rng_state, prune_checkpoints, restore_rng_state
+from dsv4rl.train.checkpoint import (
+    TRAINER_STATE,
+    prepare_staging,
+    publish,
+    restore_rng_state,
+    save_rank_state,
+)
 from dsv4rl.train.megatron.optimizer import ModelParallelAdamW
 
 if TYPE_CHECKING:
@@ -51,29 +56,12 @@ def save_engine_checkpoint(
     engine: MegatronTrainEngine, directory: str, extra_state: dict[str, Any], keep: int = 0
 ) -> Path:
     """Collective. Returns the final directory; `keep` > 0 prunes older siblings."""
-    rank = dist.get_rank()
     final = Path(directory)
-    tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    tmp = prepare_staging(final)
     dist_checkpointing.save(_sharded_state(engine), str(tmp))
-    torch.save({"extra": extra_state or {}, "rng": capture_rng_state()}, tmp / f"extra_rank{rank:05d}.pt")
-    dist.barrier()
-    if rank == 0:
-        trainer_state = {"step": engine.step, "updates": engine.updates, "world_size": dist.get_world_size()}
-        torch.save(trainer_state, tmp / TRAINER_STATE)
-        old = final.with_name(final.name + ".old")
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-        if keep > 0:
-            prune_checkpoints(final.parent, keep)
-    dist.barrier()
-    return final
+    save_rank_state(tmp, extra_state)
+    trainer_state = {"step": engine.step, "updates": engine.updates, "world_size": dist.get_world_size()}
+    return publish(tmp, final, trainer_state, keep)
 
 
 def load_engine_checkpoint(engine: MegatronTrainEngine, directory: str) -> dict[str, Any]:

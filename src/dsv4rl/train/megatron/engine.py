@@ -23,9 +23,18 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from torch import Tensor
 from transformers import DeepseekV4Config
 
-from dsv4rl.algo.grpo import kl_penalty, token_logprobs
-from dsv4rl.algo.loss import micro_batch_loss, normaliser_share
-from dsv4rl.algo.mismatch import correction_weights
+from dsv4rl.algo.grpo import token_logprobs
+from dsv4rl.algo.loss import (
+    CLIPPED,
+    ENTROPY,
+    KL,
+    LOSS,
+    micro_batch_loss,
+    normaliser_share,
+    rollout_corrections,
+    step_metrics,
+    step_sums,
+)
 from dsv4rl.config.schema import Config, RecomputeMode
 from dsv4rl.model.native_checkpoint import is_native_checkpoint, load_hf_config, load_native_model
 from dsv4rl.train.batch import TrainBatch
@@ -215,24 +224,10 @@ class MegatronTrainEngine:
         ref = batch.ref_logprobs
         if self.ref_model is not None and ref is None:
             ref = self._masked_logprobs(self.ref_model, batch, temp)
-        tis, corrections = correction_weights(
-            old,
-            batch.rollout_logprobs,
-            batch.loss_mask,
-            tis_clip=algo.tis.clip if algo.tis.enabled else None,
-            mis_bounds=(algo.mis.low, algo.mis.high) if algo.mis.enabled else None,
-        )
-        mask = batch.loss_mask
-        # sums over response tokens, as in the FSDP engine: [loss, entropy, kl, clipfrac,
-        # |old - rollout|, tokens, tis clipped, mis masked]; the loss terms live on the last stage
-        stats = torch.zeros(8, dtype=torch.float64, device=self.device)
-        batch_stats = torch.zeros(8, dtype=torch.float64, device=self.device)
-        batch_stats[4] = ((old - batch.rollout_logprobs).abs() * mask).sum()
-        batch_stats[5] = mask.sum()
-        batch_stats[6] = corrections["tis_clipped"]
-        batch_stats[7] = corrections["mis_masked"]
-        if ref is None:
-            batch_stats[2] = (kl_penalty(old, batch.rollout_logprobs, "k3") * mask).sum()
+        tis, corrections = rollout_corrections(algo, old, batch.rollout_logprobs, batch.loss_mask)
+        # the batch-derived sums on every rank, the loss terms only where the last stage computes them
+        batch_sums = step_sums(old, batch.rollout_logprobs, batch.loss_mask, corrections, ref is not None)
+        stats = torch.zeros_like(batch_sums)
         grad_norms, lrs = [], []
         row = 0
         for mini in batch.split(updates):
@@ -275,10 +270,10 @@ class MegatronTrainEngine:
             self.optimizer.set_lr(lr)
             reported = run_pipeline(self.ddp, feeds, loss_function, forward_only=False)
             for item in reported:
-                stats[0] += item["loss"]
-                stats[1] += item["entropy"]
-                stats[3] += item["clipped"]
-                stats[2] += item["ref_kl"]
+                stats[LOSS] += item["loss"]
+                stats[ENTROPY] += item["entropy"]
+                stats[CLIPPED] += item["clipped"]
+                stats[KL] += item["ref_kl"]
             grad_norms.append(self.optimizer.step())
             lrs.append(lr)
             self.updates += 1
@@ -288,22 +283,9 @@ class MegatronTrainEngine:
         first = (
             parallel_state.is_pipeline_first_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
         )
-        totals = stats * float(counted) + batch_stats * float(first)
+        totals = stats * float(counted) + batch_sums * float(first)
         dist.all_reduce(totals)
-        tokens = max(float(totals[5]), 1.0)
-        kl_tokens = tokens * (updates if ref is not None else 1)
-        return {
-            "loss": float(totals[0]) / updates,
-            "grad_norm": sum(grad_norms) / len(grad_norms),
-            "kl": float(totals[2]) / kl_tokens,
-            "entropy": float(totals[1]) / (tokens * updates),
-            "clipfrac": float(totals[3]) / (tokens * updates),
-            "lr": lrs[-1],
-            "logprob_abs_diff": float(totals[4]) / tokens,
-            "response_tokens": float(totals[5]),
-            "tis_clip_fraction": float(totals[6]) / tokens,
-            "mis_masked_fraction": float(totals[7]) / tokens,
-        }
+        return step_metrics(totals, updates, grad_norms, lrs, ref is not None)
 
     # ------------------------------------------------------------------ weights and checkpoints
     @torch.no_grad()
