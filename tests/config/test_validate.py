@@ -395,6 +395,21 @@ def test_ports_in_range(tiny: Config, port: int) -> None:
 def test_ports_do_not_collide(tiny: Config) -> None:
     tiny.cluster.weight_sync_port = tiny.engine.port
     assert_problem(tiny, "cluster.weight_sync_port=30000 collides with the engine ports")
+    tiny.cluster.weight_sync_port = tiny.cluster.master_port
+    assert_problem(tiny, "cluster.master_port=29500 is one of the weight-sync ports")
+
+
+def test_each_pipeline_stage_needs_its_own_weight_sync_port(dapo: Config) -> None:
+    """PP4: the groups listen on weight_sync_port + 0..3, which must stay clear of the other ports."""
+    dapo.cluster.master_port = dapo.cluster.weight_sync_port + 3
+    assert_problem(
+        dapo, "cluster.master_port=29603 is one of the weight-sync ports", "(+ 0..3, one per pipeline"
+    )
+    dapo.cluster.master_port = 29500
+    dapo.cluster.weight_sync_port = dapo.engine.port - 2
+    assert_problem(dapo, "cluster.weight_sync_port=29998 (+ 0..3, one per pipeline stage) collides with")
+    dapo.cluster.weight_sync_port = 65534
+    assert_problem(dapo, "the weight-sync ports run past 65535")
 
 
 @pytest.mark.parametrize(

@@ -184,8 +184,9 @@ def test_megatron_backend_learns(tmp_path: Path) -> None:
 
 
 def test_megatron_two_pipeline_stages(tmp_path: Path) -> None:
-    """PP=2 on 2 processes (one layer on the last stage): the schedule trains, each stage's weights reach
-    the engine, and the engine's log-probs stay the trainer's."""
+    """PP=2 on 2 processes (one layer on the last stage): the schedule trains, each stage's source rank
+    sends its own stage over its own group, every tensor reaches the engine (checksums), and the engine's
+    log-probs stay the trainer's."""
     run_dir = tmp_path / "megatron_pp2"
     train(
         run_dir,
@@ -200,7 +201,10 @@ def test_megatron_two_pipeline_stages(tmp_path: Path) -> None:
     assert [line["step"] for line in metrics] == [1, 2, 3, 4]
     assert max(line["logprob_abs_diff"] for line in metrics) < 1e-4
     assert all(line["verify_checksum_tensors"] > 150 for line in metrics)
+    assert all(line["sync_sources"] == 2 for line in metrics)
     assert metrics[-1]["reward_mean"] > metrics[0]["reward_mean"]
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "weights 4 pushed from 2 stages" in trainer_log
 
 
 def descendants(pid: int) -> set[int]:

@@ -341,6 +341,7 @@ def test_plan_shows_the_training_layout_of_the_reference_run() -> None:
     from dsv4rl.launcher.plan_view import cluster_plan
 
     layout = cluster_plan(compose("dapo_math", []), nodes=[0])["training"]
+    layout.pop("weight_sync_sources")  # test_each_pipeline_stage_sends_from_its_first_rank
     assert layout == {
         "backend": "megatron",
         "world_size": 16,
@@ -354,3 +355,39 @@ def test_plan_shows_the_training_layout_of_the_reference_run() -> None:
         "optimizer_cpu_offload": True,
         "optimizer_offload_fraction": 0.75,
     }
+
+
+def test_each_pipeline_stage_sends_from_its_first_rank() -> None:
+    """dapo_math: 16 trainer ranks on nodes 0-1, PP4: stages leave from ranks 0, 4, 8, 12, each with its own
+    group name and port on its own node; each node listens on the ports of its own sources."""
+    from dsv4rl.config.compose import compose
+    from dsv4rl.launcher.plan_view import cluster_plan
+
+    addrs = ["n0", "n1", "n2", "n3"]
+    cfg = compose("dapo_math", [f"cluster.node_addrs=[{','.join(addrs)}]", "cluster.master_addr=n0"])
+    sources = cluster_plan(cfg, nodes=[0])["training"]["weight_sync_sources"]
+    assert [
+        (s["stage"], s["rank"], s["node"], s["address"], s["port"], s["group_name"]) for s in sources
+    ] == [
+        (0, 0, 0, "n0", 29600, "weight_update_group"),
+        (1, 4, 0, "n0", 29601, "weight_update_group-pp1"),
+        (2, 8, 1, "n1", 29602, "weight_update_group-pp2"),
+        (3, 12, 1, "n1", 29603, "weight_update_group-pp3"),
+    ]
+    listens = {}
+    for node in range(4):
+        cfg.cluster.node_rank = node
+        listens[node] = sorted(p.port for p in planned_ports(cfg) if p.key == "cluster.weight_sync_port")
+    assert listens == {0: [29600, 29601], 1: [29602, 29603], 2: [], 3: []}
+    cfg.cluster.node_rank = 1
+    (stage2,) = [p for p in planned_ports(cfg) if p.port == 29602]
+    assert stage2.what == "weight sync of pipeline stage 2" and stage2.offset == 2
+
+
+def test_fsdp_sends_everything_from_rank_0() -> None:
+    from dsv4rl.sync.sources import weight_sync_sources
+
+    cfg = Config()
+    assert [(s.stage, s.rank, s.port, s.group_name) for s in weight_sync_sources(cfg)] == [
+        (0, 0, cfg.cluster.weight_sync_port, "weight_update_group")
+    ]

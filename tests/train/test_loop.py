@@ -51,7 +51,8 @@ def test_sync_weights_verifies_when_due_and_stops_on_a_failed_check(monkeypatch)
     calls: list[tuple] = []
 
     class Engine:
-        def named_weights_for_sync(self):
+        def named_weights_for_sync(self, by_stage=False):
+            calls.append(("export", by_stage))
             yield "embed.weight", torch.ones(2)
 
         def compute_logprobs(self, ids, temperature=1.0):
@@ -59,6 +60,8 @@ def test_sync_weights_verifies_when_due_and_stops_on_a_failed_check(monkeypatch)
             return torch.zeros(ids.shape[0], ids.shape[1] - 1)
 
     class Sync:
+        by_stage = False
+
         def push(self, named, version, record_checksums):
             list(named)
             calls.append(("push", version, record_checksums))
@@ -82,11 +85,13 @@ def test_sync_weights_verifies_when_due_and_stops_on_a_failed_check(monkeypatch)
     cfg = Config()
     cfg.sync.verify.checksum, cfg.sync.verify.logprob_probe, cfg.sync.verify.every_steps = True, True, 3
     verifier = Verifier()
-    driver = SimpleNamespace(sync=Sync(), verifier=verifier)
-    loop = RLLoop(cfg, Engine(), Path("unused"), driver=driver, probe=torch.zeros(2, 5, dtype=torch.long))
+    driver = SimpleNamespace(verifier=verifier)
+    probe = torch.zeros(2, 5, dtype=torch.long)
+    loop = RLLoop(cfg, Engine(), Path("unused"), driver=driver, weight_sync=Sync(), probe=probe)
     stats, metrics = loop.sync_weights(version=1)  # the first sync of the process: checked
     assert stats.bytes == 8 and metrics == {"verify_checksum_tensors": 1.0, "verify_probe_abs_diff": 0.0}
     assert calls == [
+        ("export", False),
         ("push", "1", True),
         ("checksums", 1, {"embed.weight": "x"}),
         ("trainer_forward", (2, 5), 1.0),
@@ -94,7 +99,7 @@ def test_sync_weights_verifies_when_due_and_stops_on_a_failed_check(monkeypatch)
     ]
     calls.clear()
     assert loop.sync_weights(version=2)[1] == {}  # not due
-    assert calls == [("push", "2", False)]
+    assert calls == [("export", False), ("push", "2", False)]
     verifier.fail = True
     with pytest.raises(SyncVerificationError, match="step 3"):
         loop.sync_weights(version=3)

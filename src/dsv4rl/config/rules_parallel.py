@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dsv4rl.config.rules_base import Add, num_layers, num_routed_experts
 from dsv4rl.config.schema import CommBackend, Config, RolloutEngineKind, TrainBackend
+from dsv4rl.sync.sources import pipeline_stages
 
 
 def _positive(add: Add, **values: float) -> bool:
@@ -239,6 +240,7 @@ def engine_port_layout(cfg: Config) -> tuple[int, range]:
 def check_ports(cfg: Config, add: Add) -> None:
     c, eng = cfg.cluster, cfg.engine
     engines = max(1, cfg.parallel.rollout.num_engines)
+    stages = pipeline_stages(cfg)  # one weight-sync group, and port, per pipeline stage
     named = {
         "cluster.master_port": c.master_port,
         "cluster.weight_sync_port": c.weight_sync_port,
@@ -248,19 +250,31 @@ def check_ports(cfg: Config, add: Add) -> None:
     if bad:
         add(f"ports must be in 1..65535: {', '.join(bad)}")
         return
+    sync_ports = set(range(c.weight_sync_port, c.weight_sync_port + stages))
+    sync_text = (
+        f"cluster.weight_sync_port={c.weight_sync_port}"
+        if stages == 1
+        else f"cluster.weight_sync_port={c.weight_sync_port} (+ 0..{stages - 1}, one per pipeline stage)"
+    )
+    if max(sync_ports) > 65535:
+        add(f"{sync_text}: the weight-sync ports run past 65535")
     stride, extra = engine_port_layout(cfg)
     engine_ports = {eng.port + i * stride + e for i in range(engines) for e in (0, *extra)}
     if max(engine_ports) > 65535:
         add(f"engine.port={eng.port}: the ports of {engines} engines run past 65535 ({max(engine_ports)})")
-    if c.master_port == c.weight_sync_port:
-        add(f"cluster.master_port and cluster.weight_sync_port are both {c.master_port}: use two ports")
-    for key in ("cluster.master_port", "cluster.weight_sync_port"):
-        if named[key] in engine_ports:
-            dp_ports = f"; attention DP adds port + {extra[0]}..{extra[-1]}" if extra else ""
-            add(
-                f"{key}={named[key]} collides with the engine ports {min(engine_ports)}..{max(engine_ports)} "
-                f"(engine i listens on engine.port + {stride} i{dp_ports})"
-            )
+    if c.master_port in sync_ports:
+        add(
+            f"cluster.master_port={c.master_port} is one of the weight-sync ports, {sync_text}: use two ports"
+        )
+    dp_ports = f"; attention DP adds port + {extra[0]}..{extra[-1]}" if extra else ""
+    engine_text = (
+        f"the engine ports {min(engine_ports)}..{max(engine_ports)} "
+        f"(engine i listens on engine.port + {stride} i{dp_ports})"
+    )
+    if c.master_port in engine_ports:
+        add(f"cluster.master_port={c.master_port} collides with {engine_text}")
+    if sync_ports & engine_ports:
+        add(f"{sync_text} collides with {engine_text}")
 
 
 def check_comm(cfg: Config, add: Add) -> None:

@@ -31,6 +31,7 @@ from dsv4rl.config.rules_parallel import engine_port_layout
 from dsv4rl.config.schema import Config
 from dsv4rl.launcher.engine_keys import KEYS_FILE_ENV, engine_keys_file, engines_need_keys
 from dsv4rl.launcher.engine_python import engine_python
+from dsv4rl.sync.sources import weight_sync_sources
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"  # one node; several: config-node<r>.yaml (see config_path)
@@ -358,7 +359,8 @@ def build_local_plan(
 
 # ------------------------------------------------------------------------------------------- ports
 def planned_ports(cfg: Config) -> list[PlannedPort]:
-    """Every port this node will listen on: its engines, and on node 0 torchrun's and the weight sync's."""
+    """Every port this node will listen on: its engines, on node 0 torchrun's, and the weight-sync
+    groups of the pipeline-stage sources it runs (stage 0's on node 0)."""
     node = cfg.cluster.node_rank
     host = cfg.engine.host
     ports = []
@@ -376,9 +378,14 @@ def planned_ports(cfg: Config) -> list[PlannedPort]:
                 for extra in extra_ports
             ]  # fmt: skip
     if node == 0:
-        cl = cfg.cluster
-        ports.append(PlannedPort(cl.master_port, "0.0.0.0", "torchrun master", "cluster.master_port"))
-        ports.append(PlannedPort(cl.weight_sync_port, "0.0.0.0", "weight sync", "cluster.weight_sync_port"))
+        ports.append(
+            PlannedPort(cfg.cluster.master_port, "0.0.0.0", "torchrun master", "cluster.master_port")
+        )
+    sources = weight_sync_sources(cfg)
+    for source in sources:
+        if source.node == node:
+            what = "weight sync" if len(sources) == 1 else f"weight sync of pipeline stage {source.stage}"
+            ports.append(PlannedPort(source.port, "0.0.0.0", what, "cluster.weight_sync_port", source.stage))
     return ports
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import shlex
 from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from dsv4rl.launcher.plan import (
     remote_engine_health,
     trainer_nodes,
 )
+from dsv4rl.sync.sources import weight_sync_sources
 
 
 def _node_cfg(cfg: Config, node: int) -> Config:
@@ -137,6 +139,8 @@ def training_layout(cfg: Config) -> dict[str, Any]:
         "recompute": t.recompute.value,
         "optimizer_cpu_offload": t.optimizer_cpu_offload,
         "optimizer_offload_fraction": t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
+        # who broadcasts the weights: one source rank per pipeline stage, each with its own group and port
+        "weight_sync_sources": [asdict(source) for source in weight_sync_sources(cfg)],
     }
 
 
@@ -147,10 +151,15 @@ def _layout_text(layout: dict[str, Any]) -> str:
         if layout["optimizer_cpu_offload"]
         else "no optimizer offload"
     )
+    senders = ", ".join(
+        f"stage {s['stage']} from rank {s['rank']} at {s['address'] or '?'}:{s['port']} ({s['group_name']})"
+        for s in layout["weight_sync_sources"]
+    )
     return (
         f"training: {layout['backend']} on {layout['world_size']} rank(s), TP{layout['tensor_parallel']}/"
         f"PP{layout['pipeline_parallel']}/EP{layout['expert_parallel']}/DP{layout['data_parallel']} "
-        f"(layers per stage {stages}), recompute {layout['recompute']}, {offload}"
+        f"(layers per stage {stages}), recompute {layout['recompute']}, {offload}\n"
+        f"weights to the engines: {senders}"
     )
 
 

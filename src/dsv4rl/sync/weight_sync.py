@@ -9,6 +9,10 @@ cache, sets the weight version and lets generation continue. The POSTs run on a 
 in a helper thread, so `WeightSync` is a blocking API callable from any thread (not from inside a
 running event loop's thread without `asyncio.to_thread`).
 
+A pipeline-parallel trainer has one source per stage (`dsv4rl.sync.stages`): each source owns its own
+group (its own name and port) with every engine and only `send`s; rank 0 wraps all the sends in one
+`begin_update` / `finish_update`.
+
 Failures never hang for long; when a transfer fails the group is marked broken: `close()` then
 `connect()` again.
 """
@@ -16,6 +20,7 @@ Failures never hang for long; when a transfer fails the group is marked broken: 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import threading
 import time
@@ -55,6 +60,7 @@ class SyncStats:
     transfer_seconds: float = 0.0  # inside the bucket transfers (POST ∥ broadcast ∥ engine load)
     pipeline_seconds: float = 0.0  # gathering, renaming, quantizing (and checksumming) into buckets
     checksums: dict[str, str] = field(default_factory=dict)  # sha256 of each tensor sent, when recorded
+    sources: int = 1  # senders whose transfers ran side by side (one per pipeline stage)
 
     @property
     def gb_per_s(self) -> float:
@@ -78,6 +84,7 @@ class WeightSync:
     broadcast per tensor) or "flattened_bucket" (one per bucket); when None it is read from
     `sync_cfg.load_format` if that field exists. `wire_format` converts native tensors to what the engines
     hold (None: sent as they are); the trainer sets it once it knows what the engines serve.
+    `group_name` names this sender's group (default `sync_cfg.group_name`; one per pipeline stage).
     """
 
     def __init__(
@@ -92,6 +99,7 @@ class WeightSync:
         load_format: str | None = None,
         device: torch.device | str | None = None,
         wire_format: WireFormat | None = None,
+        group_name: str | None = None,
     ) -> None:
         if not clients:
             raise ValueError("WeightSync needs at least one engine client")
@@ -114,6 +122,7 @@ class WeightSync:
             raise ValueError(f"engine_ranks must give a positive rank count per engine, got {engine_ranks}")
         self.clients = list(clients)
         self.cfg = sync_cfg
+        self.group_name = group_name or sync_cfg.group_name
         self.backend = backend
         self.master_address = master_address
         self.master_port = int(master_port)
@@ -124,6 +133,10 @@ class WeightSync:
         if device is None:
             device = "cpu" if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
         self.device = torch.device(device)
+        # Held around each bucket's transfer. Several senders share the engines through one lock
+        # (dsv4rl.sync.stages): an engine takes one request at a time, so two buckets in flight to two
+        # engines in opposite orders would deadlock the broadcasts.
+        self.bucket_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._pg: Any = None
         self.transport: BroadcastTransport | None = None
         self._broken: str | None = None
@@ -170,7 +183,7 @@ class WeightSync:
                     self.master_port,
                     offset,
                     self.world_size,
-                    self.cfg.group_name,
+                    self.group_name,
                     self.backend,
                 )
                 posts.append((client, loop.submit(coro)))
@@ -184,7 +197,7 @@ class WeightSync:
                         format_init_method(self.master_address, self.master_port),
                         world_size=self.world_size,
                         rank=0,
-                        group_name=self.cfg.group_name,
+                        group_name=self.group_name,
                         timeout=self.cfg.timeout_s,
                     )
                 except BaseException as exc:  # reported by the waiting thread
@@ -193,9 +206,7 @@ class WeightSync:
             thread = threading.Thread(target=join, name="dsv4rl-weight-sync-join", daemon=True)
             thread.start()
             deadline = time.monotonic() + self.cfg.timeout_s + 10
-            where = (
-                f"{self.master_address}:{self.master_port} (group {self.cfg.group_name!r}, {self.backend})"
-            )
+            where = f"{self.master_address}:{self.master_port} (group {self.group_name!r}, {self.backend})"
             while True:
                 for client, future in posts:
                     if future.done() and future.exception() is not None:
@@ -223,7 +234,7 @@ class WeightSync:
                 self.clients,
                 self._pg,
                 loop,
-                group_name=self.cfg.group_name,
+                group_name=self.group_name,
                 backend=self.backend,
                 device=self.device,
                 timeout_s=self.cfg.timeout_s,
@@ -241,26 +252,56 @@ class WeightSync:
         transport), for comparison with what the engines hold. On failure the engines stay paused with a
         partial update and WeightSyncError says what failed.
         """
+        start = time.monotonic()
+        self.begin_update()
+        try:
+            stats = self.send(named_weights, version, record_checksums=record_checksums)
+        except Exception:
+            self.abandon_update()
+            raise
+        self.finish_update(version)
+        stats.seconds = time.monotonic() - start
+        log.info(
+            "weights %s pushed: %d tensors in %d buckets, %.1f MB in %.2f s (%.3f GB/s)",
+            *(version, stats.tensors, stats.buckets, stats.bytes / 1e6, stats.seconds, stats.gb_per_s),
+        )
+        return stats
+
+    def begin_update(self) -> None:
+        """Pause generation and open the engines' weight-update session: sends may follow."""
         with self._lock:
-            if self._pg is None or self.transport is None:
-                raise WeightSyncError("not connected: call connect() before push()")
-            if self._broken:
-                raise WeightSyncError(
-                    f"the weight-update group is unusable ({self._broken}); close() and connect()"
-                )
-            stats = SyncStats()
-            start = time.monotonic()
+            self._check_usable()
             self._call_all("pause_generation", mode=self.cfg.pause_mode)
             self._call_all("begin_weight_update")
+
+    def send(
+        self, named_weights: Iterable[NamedTensor], version: str | None, *, record_checksums: bool = False
+    ) -> SyncStats:
+        """Every bucket of `named_weights` over this group, inside an open session; `version` (or None)
+        rides on the last bucket. `seconds` is the time spent here."""
+        with self._lock:
+            self._check_usable()
+            stats = SyncStats()
+            start = time.monotonic()
             try:
                 self._send_all(named_weights, version, stats, record_checksums)
             except Exception:
                 self._broken = self._broken or self.transport.broken
-                try:  # close the session so a later push can open one; the engines stay paused
-                    self._call_all("end_weight_update")
-                except WeightSyncError as exc:
-                    log.warning("after a failed push: %s", exc)
                 raise
+            stats.seconds = time.monotonic() - start
+            return stats
+
+    def abandon_update(self) -> None:
+        """After a failed send: close the session so a later push can open one; the engines stay paused."""
+        with self._lock:
+            try:
+                self._call_all("end_weight_update")
+            except WeightSyncError as exc:
+                log.warning("after a failed push: %s", exc)
+
+    def finish_update(self, version: str) -> None:
+        """Close the session (the engines' post-load processing), flush, set the version, continue."""
+        with self._lock:
             self._call_all("end_weight_update")
             try:
                 self._call_all("flush_cache")
@@ -271,15 +312,21 @@ class WeightSync:
                 log.warning("cache not flushed after an in_place pause (stale KV kept): %s", exc)
             self._call_all("update_weight_version", version, abort_all_requests=False)
             self._call_all("continue_generation")
-            stats.seconds = time.monotonic() - start
-            log.info(
-                "weights %s pushed: %d tensors in %d buckets, %.1f MB in %.2f s (%.3f GB/s)",
-                *(version, stats.tensors, stats.buckets, stats.bytes / 1e6, stats.seconds, stats.gb_per_s),
+
+    def _check_usable(self) -> None:
+        if self._pg is None or self.transport is None:
+            raise WeightSyncError("not connected: call connect() before push()")
+        if self._broken:
+            raise WeightSyncError(
+                f"the weight-update group is unusable ({self._broken}); close() and connect()"
             )
-            return stats
 
     def _send_all(
-        self, named_weights: Iterable[NamedTensor], version: str, stats: SyncStats, record_checksums: bool
+        self,
+        named_weights: Iterable[NamedTensor],
+        version: str | None,
+        stats: SyncStats,
+        record_checksums: bool,
     ) -> None:
         """Pull buckets from the pipeline and send each; the weight version rides on the last one."""
         buckets = wire_buckets(named_weights, self.wire_format, self.cfg.bucket_bytes)
@@ -295,9 +342,10 @@ class WeightSync:
                 stats.checksums.update(checksums(dict(current)))
             stats.pipeline_seconds += time.monotonic() - mark
             what = f"bucket {stats.buckets} ({len(current)} tensors from {current[0][0]})"
-            mark = time.monotonic()
-            stats.bytes += self.transport.send(current, version if following is None else None, what)
-            stats.transfer_seconds += time.monotonic() - mark
+            with self.bucket_lock:
+                mark = time.monotonic()
+                stats.bytes += self.transport.send(current, version if following is None else None, what)
+                stats.transfer_seconds += time.monotonic() - mark
             stats.buckets += 1
             stats.tensors += len(current)
             current, mark = following, time.monotonic()
@@ -310,8 +358,7 @@ class WeightSync:
             if self._pg is not None:
                 loop = self._loop()
                 posts = [
-                    (c, loop.submit(c.destroy_weights_update_group(self.cfg.group_name)))
-                    for c in self.clients
+                    (c, loop.submit(c.destroy_weights_update_group(self.group_name))) for c in self.clients
                 ]
                 pg, self._pg, self._broken, self.transport = self._pg, None, None, None
                 try:

@@ -23,6 +23,7 @@ from dsv4rl.config.schema import Config
 from dsv4rl.data.datasets import problem_source
 from dsv4rl.data.stream import PromptStream
 from dsv4rl.rollout.generate import generate_samples
+from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.loop import Driver, TrainEngine, rollout_seed
 
@@ -59,17 +60,14 @@ def worst_tokens(
     return out
 
 
-def run_align(cfg: Config, engine: TrainEngine, driver: Driver | None, run_dir: Path) -> dict | None:
+def run_align(
+    cfg: Config, engine: TrainEngine, driver: Driver | None, weight_sync: StagedWeightSync, run_dir: Path
+) -> dict | None:
     """Collective (every rank recomputes the log-probs); rank 0 returns and writes the report."""
-    stats = None
-    named = engine.named_weights_for_sync()
-    if driver is None:
-        for _ in named:
-            pass
-    else:
-        stats = driver.sync.push(named, version="align", record_checksums=cfg.sync.verify.checksum)
-        if cfg.sync.verify.checksum:
-            driver.verifier.check_checksums(stats.checksums, 0)
+    named = engine.named_weights_for_sync(by_stage=weight_sync.by_stage)
+    stats = weight_sync.push(named, version="align", record_checksums=cfg.sync.verify.checksum)
+    if driver is not None and cfg.sync.verify.checksum:
+        driver.verifier.check_checksums(stats.checksums, 0)
     sampling = cfg.algo.sampling
     if cfg.align.max_new_tokens is not None:
         sampling = replace(sampling, max_new_tokens=cfg.align.max_new_tokens)

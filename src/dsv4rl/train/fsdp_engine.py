@@ -251,13 +251,16 @@ class FSDPTrainEngine:
         return float(norm)
 
     # ------------------------------------------------------------------ weights and checkpoints
+    weight_source_ranks = (0,)  # one stage, sent by rank 0
+
     @torch.no_grad()
-    def named_weights_for_sync(self) -> Iterator[tuple[str, Tensor]]:
+    def named_weights_for_sync(self, by_stage: bool = False) -> Iterator[tuple[str, Tensor]]:
         """Full tensors of every parameter and persistent buffer, HF names, on rank 0.
 
         Collective: every rank must exhaust the iterator (each sharded tensor is all-gathered);
-        only rank 0 yields. Tensors stay on the training device (what a NCCL broadcast needs) and
-        keep their dtype (tid2eid stays int64). Non-persistent buffers (rotary inv_freq) are not sent.
+        only rank 0 yields (`by_stage` changes nothing: the model is one stage, sent by rank 0).
+        Tensors stay on the training device (what a NCCL broadcast needs) and keep their dtype (tid2eid
+        stays int64). Non-persistent buffers (rotary inv_freq) are not sent.
         """
         for name, tensor in self.model.state_dict().items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

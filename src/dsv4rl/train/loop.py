@@ -2,7 +2,8 @@
 
 Every training rank runs `RLLoop.run`; rank 0 also drives the engines (rollout and weight sync)
 and writes metrics. The other ranks receive each step's batch from rank 0 and train on their
-shard. Nothing here knows which train engine or which rollout engine is behind the seams.
+shard; with pipeline stages, each stage's source rank sends its own stage's weights. Nothing here
+knows which train engine or which rollout engine is behind the seams.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from dsv4rl.reward.graders import Grader, grade_batch
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.generate import generate_samples
 from dsv4rl.rollout.types import Sample
+from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.sync.verify import SyncVerifier
-from dsv4rl.sync.weight_sync import SyncStats, WeightSync
+from dsv4rl.sync.weight_sync import SyncStats
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.checkpoint import checkpoint_dir, latest_checkpoint
 
@@ -37,10 +39,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Driver:
-    """What only rank 0 holds: the engines, the weight sync, the data, the grader and the metrics file."""
+    """What only rank 0 holds: the engines, the data, the grader and the metrics file."""
 
     clients: Sequence[EngineClient]
-    sync: WeightSync
     stream: PromptStream
     grader: Grader
     tokenizer: object
@@ -54,17 +55,20 @@ class TrainEngine(Protocol):
 
     A rank trains on its data-parallel replica's share of each batch: `data_parallel_rank` of
     `data_parallel_size` (FSDP: every rank is a replica; Megatron: the TP/PP ranks of one replica
-    share it). `hf_config` is the transformers config of the model being trained."""
+    share it). `hf_config` is the transformers config of the model being trained.
+    `weight_source_ranks` are the global ranks that send the weights, one per pipeline stage; with
+    `by_stage` each of them yields its own stage from `named_weights_for_sync`, else rank 0 yields all."""
 
     data_parallel_rank: int
     data_parallel_size: int
     hf_config: Any
+    weight_source_ranks: Sequence[int]
 
     def train_step(self, batch: TrainBatch, temperature: float | None = None) -> dict[str, float]: ...
 
     def compute_logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor: ...
 
-    def named_weights_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def named_weights_for_sync(self, by_stage: bool = False) -> Iterator[tuple[str, torch.Tensor]]: ...
 
     def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> Path: ...
 
@@ -98,11 +102,13 @@ def sync_metrics(stats: SyncStats | None) -> dict[str, float]:
         "sync_transfer_s": stats.transfer_seconds,
         "sync_pipeline_s": stats.pipeline_seconds,
         "sync_control_s": stats.control_seconds,
+        "sync_sources": stats.sources,
     }
 
 
 class RLLoop:
-    """`probe` ([N, L] token ids, the same on every rank) enables the log-prob probe after syncs."""
+    """`driver` on rank 0 only; `weight_sync` on every rank (connected); `probe` ([N, L] token ids, the
+    same on every rank) enables the log-prob probe after syncs."""
 
     def __init__(
         self,
@@ -110,12 +116,14 @@ class RLLoop:
         engine: TrainEngine,
         run_dir: Path,
         driver: Driver | None,
+        weight_sync: StagedWeightSync,
         probe: torch.Tensor | None = None,
     ) -> None:
         self.cfg = cfg
         self.engine = engine
         self.run_dir = run_dir
         self.driver = driver
+        self.weight_sync = weight_sync
         self.probe = probe
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -264,7 +272,8 @@ class RLLoop:
 
     # ------------------------------------------------------------ weight sync
     def sync_weights(self, version: int) -> tuple[SyncStats | None, dict[str, float]]:
-        """Every rank takes part in gathering full tensors; rank 0 broadcasts them to the engines.
+        """Every rank takes part in gathering full tensors; rank 0 (and each other pipeline stage's
+        source rank) broadcasts them to the engines.
 
         Then, when due (sync.verify), the checks: checksums on rank 0, and the log-prob probe, whose
         trainer forward is collective. A failed check raises on rank 0 and the run stops.
@@ -272,15 +281,8 @@ class RLLoop:
         verify = self.cfg.sync.verify
         due = self.syncs == 0 or version % max(verify.every_steps, 1) == 0
         self.syncs += 1
-        named = self.engine.named_weights_for_sync()
-        stats = None
-        if self.driver is None:
-            for _ in named:
-                pass
-        else:
-            stats = self.driver.sync.push(
-                named, version=str(version), record_checksums=due and verify.checksum
-            )
+        named = self.engine.named_weights_for_sync(by_stage=self.weight_sync.by_stage)
+        stats = self.weight_sync.push(named, version=str(version), record_checksums=due and verify.checksum)
         metrics: dict[str, float] = {}
         if due and verify.checksum and self.driver is not None:
             metrics.update(self.driver.verifier.check_checksums(stats.checksums, version))

@@ -1,7 +1,8 @@
 """The training rank: `torchrun ... -m dsv4rl.train.worker --config RUN_DIR/config.yaml [--task align]`.
 
-Sets up the process group, the train engine and (on rank 0) the engines' clients, the weight sync
-(with the wire format of what the engines serve), the data and the grader, then hands over to
+Sets up the process group, the train engine, (on rank 0) the engines' clients, the data and the
+grader, and the weight sync (on every pipeline stage's source rank a sender, with the wire format of
+what the engines serve), then hands over to
 `RLLoop` (`--task train`) or to `run_align` (`--task align`).
 """
 
@@ -28,14 +29,17 @@ from dsv4rl.data.stream import build_prompt_stream
 from dsv4rl.launcher.engine_keys import engine_keys_from_env
 from dsv4rl.launcher.plan import engine_urls, source_model_dir
 from dsv4rl.model.tiny import load_tokenizer
+from dsv4rl.quant.formats import WireFormat
 from dsv4rl.reward.graders import get_grader
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.sync.served_format import check_served_formats
+from dsv4rl.sync.sources import weight_sync_sources
+from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.sync.verify import SyncVerifier, probe_sequences
 from dsv4rl.sync.weight_sync import WeightSync
 from dsv4rl.train.align import run_align
 from dsv4rl.train.engines import build_train_engine
-from dsv4rl.train.loop import Driver, RLLoop
+from dsv4rl.train.loop import Driver, RLLoop, TrainEngine
 
 log = logging.getLogger("dsv4rl.train")
 
@@ -46,11 +50,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_driver(
-    cfg: Config, run_dir: Path, model_path: str, event_loop: asyncio.AbstractEventLoop
-) -> Driver:
+def engine_clients(cfg: Config) -> list[EngineClient]:
     keys = engine_keys_from_env()  # engines beyond loopback answer only the run's keys
-    clients = [
+    return [
         EngineClient(
             url,
             timeout_s=cfg.engine.request_timeout_s,
@@ -61,24 +63,21 @@ def build_driver(
         )
         for url in engine_urls(cfg)
     ]
-    rollout = cfg.parallel.rollout
-    # Each engine joins the group with one rank per tensor-parallel GPU (the reference engine: one).
-    ranks_per_engine = 1 if rollout.engine.value == "reference" else rollout.tensor_parallel
-    sync = WeightSync(
-        clients,
-        cfg.sync,
-        backend=cfg.comm.backend.value,
-        master_address=cfg.cluster.master_addr,
-        master_port=cfg.cluster.weight_sync_port,
-        engine_ranks=[ranks_per_engine] * len(clients),
-    )
+
+
+def build_driver(
+    cfg: Config,
+    run_dir: Path,
+    model_path: str,
+    clients: list[EngineClient],
+    event_loop: asyncio.AbstractEventLoop,
+) -> Driver:
     # The tiny model builds its tokenizer; a model directory carries its own.
     tokenizer = load_tokenizer(
         cfg.model if cfg.model.path is None else replace(cfg.model, tokenizer=model_path)
     )
     return Driver(
         clients=clients,
-        sync=sync,
         stream=build_prompt_stream(cfg),
         grader=get_grader(cfg.reward.grader, reward=cfg.reward),
         tokenizer=tokenizer,
@@ -88,14 +87,63 @@ def build_driver(
     )
 
 
-def connect(cfg: Config, driver: Driver, model_path: str) -> None:
-    """Join the weight-update group, then learn what the engines serve: the wire format follows it."""
-    log.info("joining the weight-update group of %d engine(s)", len(driver.clients))
-    driver.sync.connect()
-    driver.sync.wire_format = check_served_formats(
-        driver.clients, cfg.quant, cfg.parallel.rollout.engine, engine_env(cfg), model_path, driver.event_loop
-    )
-    log.info("weights go to the engines as quant=%s", cfg.quant.name.value)
+def build_weight_sync(
+    cfg: Config, engine: TrainEngine, clients: list[EngineClient] | None
+) -> StagedWeightSync:
+    """This rank's part in the weight sync: a sender when it is a pipeline stage's source rank.
+
+    `clients` are rank 0's engine clients (shared with the driver); another source makes its own."""
+    sources = weight_sync_sources(cfg)
+    planned = [source.rank for source in sources]
+    if planned != list(engine.weight_source_ranks):
+        raise RuntimeError(
+            f"the {cfg.parallel.train.backend.value} engine sends its stages from ranks "
+            f"{list(engine.weight_source_ranks)}, but the plan placed the weight-sync groups for ranks "
+            f"{planned} (stage s at rank s x world / pipeline_parallel): the engine's rank order differs"
+        )
+    rank = dist.get_rank()
+    mine = next((source for source in sources if source.rank == rank), None)
+    sender = None
+    if mine is not None:
+        clients = clients if rank == 0 else engine_clients(cfg)
+        rollout = cfg.parallel.rollout
+        # Each engine joins a group with one rank per tensor-parallel GPU (the reference engine: one).
+        ranks_per_engine = 1 if rollout.engine.value == "reference" else rollout.tensor_parallel
+        sender = WeightSync(
+            clients,
+            cfg.sync,
+            backend=cfg.comm.backend.value,
+            master_address=mine.address,
+            master_port=mine.port,
+            engine_ranks=[ranks_per_engine] * len(clients),
+            group_name=mine.group_name,
+        )
+    return StagedWeightSync(sources, rank, sender)
+
+
+def connect(cfg: Config, weight_sync: StagedWeightSync, driver: Driver | None, model_path: str) -> None:
+    """Join the weight-update groups, then learn what the engines serve: the wire format follows it."""
+    if driver is not None:
+        log.info(
+            "joining %d weight-update group(s) with %d engine(s)",
+            len(weight_sync.sources),
+            len(driver.clients),
+        )
+    weight_sync.connect()
+
+    def served_format() -> WireFormat | None:
+        return check_served_formats(
+            driver.clients,
+            cfg.quant,
+            cfg.parallel.rollout.engine,
+            engine_env(cfg),
+            model_path,
+            driver.event_loop,
+        )
+
+    weight_sync.share_wire_format(served_format if driver is not None else None)
+    if driver is not None:
+        log.info("weights go to the engines as quant=%s", cfg.quant.name.value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,18 +172,20 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cpu")
 
     event_loop = asyncio.new_event_loop()
-    driver = None
+    driver = weight_sync = None
     try:
         # align measures a trainer whose weights are off the engine's quantization grid: the source model
         trainer_path = (
             str(source_model_dir(run_dir)) if args.task == "align" and cfg.model.path is None else model_path
         )
         engine = build_train_engine(cfg, trainer_path, device)
-        if rank == 0:
-            driver = build_driver(cfg, run_dir, model_path, event_loop)
-            connect(cfg, driver, model_path)
+        clients = engine_clients(cfg) if rank == 0 else None
+        if clients is not None:
+            driver = build_driver(cfg, run_dir, model_path, clients, event_loop)
+        weight_sync = build_weight_sync(cfg, engine, clients)
+        connect(cfg, weight_sync, driver, model_path)
         if args.task == "align":
-            run_align(cfg, engine, driver, run_dir)
+            run_align(cfg, engine, driver, weight_sync, run_dir)
             return 0
         verify = cfg.sync.verify
         probe = None
@@ -144,12 +194,13 @@ def main(argv: list[str] | None = None) -> int:
             probe = probe_sequences(
                 config.vocab_size, verify.probe_sequences, verify.probe_length, bos=config.bos_token_id
             )
-        RLLoop(cfg, engine, run_dir, driver, probe=probe).run()
+        RLLoop(cfg, engine, run_dir, driver, weight_sync, probe=probe).run()
         log.info("training finished")
         return 0
     finally:
+        if weight_sync is not None:
+            weight_sync.close()
         if driver is not None:
-            driver.sync.close()
             close_grader = getattr(driver.grader, "close", None)  # math-verify keeps a process pool
             if close_grader is not None:
                 close_grader()

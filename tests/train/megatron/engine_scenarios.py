@@ -45,6 +45,14 @@ def synced(engine) -> dict[str, torch.Tensor]:  # noqa: ANN001
     return {name: tensor.clone().cpu() for name, tensor in engine.named_weights_for_sync()}
 
 
+def synced_by_stage(engine) -> dict[int, dict[str, torch.Tensor]]:  # noqa: ANN001
+    """What each rank yields with `by_stage` (a source: its own stage), gathered to every rank."""
+    mine = {name: tensor.clone().cpu() for name, tensor in engine.named_weights_for_sync(by_stage=True)}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {rank: sent for rank, sent in enumerate(every) if sent}
+
+
 def run(engine, batches: list, out: dict, prefix: str) -> None:  # noqa: ANN001
     out[f"{prefix}_initial"] = synced(engine)
     out[f"{prefix}_logprobs"] = engine.compute_logprobs(batches[0].input_ids).cpu()
@@ -54,6 +62,8 @@ def run(engine, batches: list, out: dict, prefix: str) -> None:  # noqa: ANN001
         metrics.append(engine.train_step(shard, temperature=0.9))
     out[f"{prefix}_metrics"] = metrics
     out[f"{prefix}_after"] = synced(engine)
+    out[f"{prefix}_by_stage"] = synced_by_stage(engine)
+    out[f"{prefix}_sources"] = list(engine.weight_source_ranks)
 
 
 def main() -> None:

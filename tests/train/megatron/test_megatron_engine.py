@@ -85,3 +85,24 @@ def test_checkpoint_loads_at_another_layout(layouts):
     loaded = layouts["tp2_loaded_at_w1"]
     assert loaded["extra"] == {"cursor": 7}
     assert _max_difference(loaded["loaded"], layouts["tp2"]["megatron_after"]) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_each_stage_source_yields_its_own_stage(single, layouts, layout):
+    """`by_stage`: the first rank of each pipeline stage yields exactly that stage's tensors, and together
+    they are the export through rank 0, bit for bit (PP=2: the last layer, norm and head come from rank 1)."""
+    result = layouts[layout]
+    sources, by_stage = result["megatron_sources"], result["megatron_by_stage"]
+    assert sorted(by_stage) == sources == ([0, 1] if layout == "pp2" else [0])
+    merged = {name: tensor for sent in by_stage.values() for name, tensor in sent.items()}
+    assert sum(len(sent) for sent in by_stage.values()) == len(merged)  # no tensor from two stages
+    after = result["megatron_after"]
+    assert set(merged) == set(after)
+    assert all(merged[name].dtype == t.dtype and torch.equal(merged[name], t) for name, t in after.items())
+    if layout == "pp2":
+        assert any(n.startswith("model.layers.2.") for n in by_stage[1])
+        assert not any(n.startswith("model.layers.2.") for n in by_stage[0])
+        assert "lm_head.weight" in by_stage[1] and "model.embed_tokens.weight" in by_stage[0]
+    single_by_stage = single["fsdp_by_stage"]
+    assert list(single_by_stage) == [0] and set(single_by_stage[0]) == set(single["fsdp_after"])

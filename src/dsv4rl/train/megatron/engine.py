@@ -288,18 +288,30 @@ class MegatronTrainEngine:
         return step_metrics(totals, updates, grad_norms, lrs, ref is not None)
 
     # ------------------------------------------------------------------ weights and checkpoints
-    @torch.no_grad()
-    def named_weights_for_sync(self) -> Iterator[tuple[str, Tensor]]:
-        """Full tensors, transformers names, yielded on global rank 0 one at a time (collective).
+    @property
+    def weight_source_ranks(self) -> list[int]:
+        """The global rank that sends each pipeline stage's weights (the stage's first rank)."""
+        return list(self.stage_sources)
 
-        Each pipeline stage merges its tensor- and expert-parallel shards; rank 0 yields stage 0's
-        tensors as they are merged, then receives the other stages' from their first rank (the
-        (tp 0, dp 0) rank of that stage) tensor by tensor: no rank ever holds the whole model.
+    @torch.no_grad()
+    def named_weights_for_sync(self, by_stage: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """Full tensors, transformers names, one at a time (collective).
+
+        Each pipeline stage merges its tensor- and expert-parallel shards. `by_stage`: every stage's
+        source rank (`weight_source_ranks`) yields its own stage's tensors, all stages at once, for a sync
+        with one sender per stage. Otherwise rank 0 yields them all: stage 0's as they are merged, then
+        the other stages' received from their source tensor by tensor. Either way no rank ever holds
+        the whole model.
         """
         ranks = self.ranks(self.model)
         stage = parallel_state.get_pipeline_model_parallel_rank()
         experts = self.hf_config.n_routed_experts
         rank = dist.get_rank()
+        if by_stage:
+            for name, tensor in convert.gather_stage(self.model, ranks, experts):
+                if rank == self.stage_sources[stage]:
+                    yield name, tensor.detach()
+            return
         for source_stage, source in enumerate(self.stage_sources):
             if stage == source_stage:
                 for name, tensor in convert.gather_stage(self.model, ranks, experts):
