@@ -6,6 +6,7 @@ Kept thin on purpose: composition and validation live in `dsv4rl.config`, proces
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Annotated
 
@@ -126,6 +127,22 @@ def train(
     raise typer.Exit(code=int(code))
 
 
+def _run_task_for_report(cfg: Config, task: str, console: Console, report_path) -> dict:  # noqa: ANN001
+    """Run the node's engines with `task`'s process in the trainer's place, then read what it wrote."""
+    from dsv4rl.launcher.plan import PortInUse
+    from dsv4rl.launcher.run import RunDirInUse, run_training
+
+    try:
+        code = run_training(cfg, console=console, task=task)
+    except (ConfigError, PortInUse, RunDirInUse) as exc:
+        raise _fail(str(exc)) from None
+    except KeyboardInterrupt:
+        code = 130
+    if code != 0:
+        raise typer.Exit(code=int(code))
+    return json.loads(report_path.read_text())
+
+
 @app.command("align")
 def align_command(
     args: RecipeArgs = None,
@@ -150,26 +167,118 @@ def align_command(
         raise _fail(str(exc)) from None
 
     from dsv4rl.launcher.align_view import render_align
-    from dsv4rl.launcher.plan import PortInUse
-    from dsv4rl.launcher.run import RunDirInUse, run_training
     from dsv4rl.train.align import REPORT_FILE
 
     console = Console(stderr=True) if as_json else Console()
     report_path = Path(cfg.run.dir).resolve() / REPORT_FILE
     report_path.unlink(missing_ok=True)  # never show an earlier run's numbers
-    try:
-        code = run_training(cfg, console=console, task="align")
-    except (ConfigError, PortInUse, RunDirInUse) as exc:
-        raise _fail(str(exc)) from None
-    except KeyboardInterrupt:
-        code = 130
-    if code != 0:
-        raise typer.Exit(code=int(code))
-    report = json.loads(report_path.read_text())
+    report = _run_task_for_report(cfg, "align", console, report_path)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
         render_align(report, console)
+
+
+def _split_eval_args(args: list[str]) -> tuple[str, list[str]]:
+    """`recipe=` (default tiny_arith) and the overrides; `data.path=` names the eval set's file here."""
+    if not any(a.startswith("recipe=") for a in args):
+        args = ["recipe=tiny_arith", *args]
+    recipe, overrides = _split_recipe(args)
+    return recipe, [
+        f"eval.dataset={a.removeprefix('data.path=')}" if a.startswith("data.path=") else a for a in overrides
+    ]
+
+
+@app.command("eval")
+def eval_command(
+    eval_set: Annotated[
+        str,
+        typer.Argument(
+            help="The eval set: aime24, math500, gsm8k, dapo_math_holdout, tiny_arith (recipes/eval/)."
+        ),
+    ],
+    args: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[recipe=NAME] [OVERRIDES]...",
+            help="The recipe whose model and engines to evaluate (default tiny_arith), then Hydra overrides; "
+            "data.path=<file> is the eval set's file (or set DSV4RL_DATA_DIR).",
+            show_default=False,
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    responses: Annotated[
+        str | None,
+        typer.Option(
+            "--responses",
+            help='Grade saved generations instead of sampling: JSON lines {"id": ..., "responses": [...]}.',
+        ),
+    ] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            "--preset", help="Sampling preset: dapo (T 1.0, top-p 0.7) or deepseek_r1 (T 0.6, top-p 0.95)."
+        ),
+    ] = None,
+) -> None:
+    """Score a model on an eval set: unbiased pass@k (k = 1, 2, 4, ... n), avg@n, maj@n, truncation.
+
+    Starts the recipe's engines (the reference engine on CPU, SGLang on GPUs) under the node supervisor,
+    samples n responses per problem, grades them and writes <run.dir>/eval/<set>/eval.json. With
+    --responses no engine starts: the saved responses are graded.
+    """
+    from pathlib import Path
+
+    from dsv4rl.eval.presets import SamplingPreset, preset_overrides
+
+    try:
+        chosen = SamplingPreset(preset) if preset is not None else None
+    except ValueError:
+        raise _fail(
+            f"--preset {preset!r} is unknown; choose one of {[p.value for p in SamplingPreset]}"
+        ) from None
+    try:
+        recipe, overrides = _split_eval_args(list(args or []))
+        cfg = compose(recipe, [f"eval={eval_set}", *preset_overrides(chosen), *overrides])
+        cfg.run.dir = str(Path(cfg.run.dir) / "eval" / eval_set)
+        if responses is not None:  # nothing is sampled: the eval's cap does not bind the recipe's model
+            cfg.eval.sampling = copy.deepcopy(cfg.algo.sampling)
+        validate(cfg, check_paths=True)
+        if responses is None:
+            _check_engine_python(cfg)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+
+    from dsv4rl.eval.data import EvalDataError, eval_problems
+    from dsv4rl.eval.run import REPORT_FILE, ResponsesError, evaluate_responses, write_report
+    from dsv4rl.eval.view import render_eval
+    from dsv4rl.reward.graders import get_grader
+
+    console = Console(stderr=True) if as_json else Console()
+    run_dir = Path(cfg.run.dir).resolve()
+    report_path = run_dir / REPORT_FILE
+    report_path.unlink(missing_ok=True)  # never show an earlier run's numbers
+    if responses is not None:
+        if not Path(responses).is_file():
+            raise _fail(f"--responses {responses}: no such file")
+        grader = get_grader(cfg.eval.grader, reward=cfg.reward)
+        try:
+            report = evaluate_responses(cfg.eval, eval_problems(cfg), Path(responses), grader)
+        except (EvalDataError, ResponsesError, ValueError) as exc:
+            raise _fail(str(exc)) from None
+        finally:
+            getattr(grader, "close", lambda: None)()
+        write_report(report, run_dir)
+    else:
+        try:
+            eval_problems(cfg)  # a data problem is named before any engine starts
+        except (EvalDataError, ValueError) as exc:
+            raise _fail(str(exc)) from None
+        report = _run_task_for_report(cfg, "eval", console, report_path)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        render_eval(report, console, str(report_path))
 
 
 @app.command("plan")
@@ -226,6 +335,79 @@ def plan_command(
         typer.echo(json.dumps(plan, indent=2))
     else:
         render_plan(plan, Console())
+
+
+@app.command("report")
+def report_command(
+    run_dir: Annotated[
+        str,
+        typer.Argument(help="The run's directory (its run.dir), holding metrics.jsonl.", show_default=False),
+    ],
+    out: Annotated[
+        str | None,
+        typer.Option("--out", help="Folder for the PNGs and report.md (default: RUN_DIR/report)."),
+    ] = None,
+) -> None:
+    """Plot a run's metrics (one PNG per topic) and summarize it in report.md, from metrics.jsonl alone.
+
+    Works on a run still going (its partial last line is skipped) and on one stopped early. A line that is
+    not a step's JSON object is skipped with a warning naming its line number, also listed in report.md.
+    """
+    from dsv4rl.report import ReportError, build_report, print_report  # matplotlib only for this command
+
+    try:
+        report = build_report(run_dir, out)
+    except ReportError as exc:
+        raise _fail(str(exc)) from None
+    print_report(report, Console())
+
+
+def _split_optional_recipe(args: list[str]) -> tuple[str | None, list[str]]:
+    """`_split_recipe` for commands that also run without a recipe (overrides then need one)."""
+    if any(a.startswith("recipe=") for a in args):
+        return _split_recipe(args)
+    if args:
+        raise ConfigError(
+            f"overrides without a recipe ({' '.join(args)}): pass recipe=NAME first "
+            f"(available: {', '.join(list_recipes())})"
+        )
+    return None, []
+
+
+@app.command("doctor")
+def doctor_command(
+    args: RecipeArgs = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    probe: Annotated[
+        bool,
+        typer.Option(
+            "--probe", help="Also time all-reduce and broadcast across this node's GPUs (CPU: gloo, 2 ranks)."
+        ),
+    ] = False,
+) -> None:
+    """Check this node before a run: software, GPUs, host settings, RDMA, environment, network, storage.
+
+    Each check says PASS, WARN, FAIL or SKIP with a one-line remedy. With recipe=NAME [OVERRIDES] the
+    environment, ports and paths are checked against the recipe; without one, those checks SKIP.
+    Exits 1 when any check FAILs.
+    """
+    try:
+        recipe, overrides = _split_optional_recipe(list(args or []))
+        cfg = None if recipe is None else compose(recipe, overrides)
+        if cfg is not None:
+            validate(cfg, check_paths=False)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+
+    from dsv4rl.doctor.probe import SystemProbe
+    from dsv4rl.doctor.report import render, run_checks
+
+    report = run_checks(SystemProbe(), cfg, bandwidth=probe)
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        render(report, Console())
+    raise typer.Exit(code=report.exit_code)
 
 
 @app.command("recipes")

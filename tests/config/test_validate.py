@@ -424,7 +424,12 @@ def test_each_pipeline_stage_needs_its_own_weight_sync_port(dapo: Config) -> Non
             "stop",
             "sync.pause_mode='stop' is unknown; choose one of abort, retract, in_place",
         ),
-        ("reward", "grader", "regex", "reward.grader='regex' is unknown; choose one of arith, dapo, boxed"),
+        (
+            "reward",
+            "grader",
+            "regex",
+            "reward.grader='regex' is unknown; choose one of arith, dapo, answer_line, boxed",
+        ),
         ("eval", "grader", "regex", "eval.grader='regex' is unknown"),
     ],
 )
@@ -487,3 +492,19 @@ def test_megatron_heads_are_checked_against_the_checkpoint(dapo: Config, tmp_pat
     assert any("must divide the attention heads (4) and the output groups (2)" in p for p in problems), (
         problems
     )
+
+
+# --- eval sets ---------------------------------------------------------------------------------------
+
+
+def test_eval_rules_name_the_fix(tiny: Config, dapo: Config) -> None:
+    tiny.eval.name = "aime25"
+    assert_problem(tiny, "eval.name='aime25' is not an eval set", "aime24")
+    tiny.eval.name, tiny.eval.dataset = "aime24", None
+    assert_problem(tiny, "eval.name='aime24' needs its data: data.path=<file>")
+    tiny.eval.name, tiny.eval.prompt_template = "tiny_arith", "no placeholder"
+    assert_problem(tiny, "eval.prompt_template='no placeholder' is neither a named template (dapo)")
+    tiny.eval.prompt_template, tiny.eval.max_problems = None, 0
+    assert_problem(tiny, "eval.max_problems must be >= 1")
+    dapo.eval.name, dapo.eval.dataset, dapo.eval.holdout = "dapo_math_holdout", dapo.data.path, 600
+    assert_problem(dapo, "eval.holdout=600 scores the last 600 rows", "set data.holdout=600")

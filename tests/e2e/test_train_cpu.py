@@ -83,6 +83,28 @@ def test_tiny_arith_learns(demo_run: Path) -> None:
     # tiny recipes verify every sync: the engine holds what was sent, and scores the probe like the trainer
     assert all(line["verify_checksum_tensors"] > 150 for line in metrics)
     assert max(line["verify_probe_abs_diff"] for line in metrics) < 1e-4
+    # the recipe's eval (all 16 problems x 8 samples) every 20 steps, on the weights of that step
+    evals = [line for line in metrics if "eval/pass@1" in line]
+    assert [line["step"] for line in evals] == [20, 40, 60, 80, 100, 120]
+    assert evals[-1]["eval/pass@1"] >= 0.7 and evals[-1]["eval/pass@1"] > evals[0]["eval/pass@1"]
+    assert all(line["eval/pass@8"] >= line["eval/pass@1"] for line in evals)
+    assert (demo_run / "eval" / "step_00000120.json").is_file()
+
+
+def test_eval_of_the_tiny_model_through_the_reference_engine(tmp_path: Path) -> None:
+    """`dsv4rl eval tiny_arith --json`: the supervisor starts the engine, 16 problems x 8 samples are
+    sampled and graded, and the report's numbers agree with its own per-problem table."""
+    argv = [sys.executable, "-m", "dsv4rl.cli", "eval", "tiny_arith", f"run.dir={tmp_path}",
+            "run.progress=false", *port_overrides(), "--json"]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    rows = report["per_problem"]
+    assert (report["problems"], report["samples_per_problem"], len(rows)) == (16, 8, 16)
+    assert report["pass@1"] == pytest.approx(sum(row["correct"] for row in rows) / 128)
+    assert report["pass@8"] == pytest.approx(sum(row["correct"] > 0 for row in rows) / 16)
+    assert report["response_len_mean"] == 1.0 and report["engines"] and report["seconds"]["generate"] > 0
+    assert (tmp_path / "eval" / "tiny_arith" / "eval.json").is_file()
 
 
 def test_tiny_arith_learns_with_the_released_weight_format(tmp_path: Path) -> None:

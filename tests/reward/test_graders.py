@@ -114,7 +114,7 @@ def test_get_grader_errors():
         get_grader("regex")
     with pytest.raises(ValueError, match=r"does not take \['timeout_s'\]"):
         get_grader("dapo", timeout_s=3)
-    assert set(GRADERS) == {"arith", "dapo", "boxed", "math_verify"}
+    assert set(GRADERS) == {"arith", "dapo", "answer_line", "boxed", "math_verify"}
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
         grade_batch(get_grader("arith"), ["1", "2"], ["1"])
 

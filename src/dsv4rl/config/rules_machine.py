@@ -12,7 +12,6 @@ from pathlib import Path
 from dsv4rl.config.rules_base import Add
 from dsv4rl.config.rules_parallel import check_megatron_heads
 from dsv4rl.config.schema import Config
-from dsv4rl.model.native_checkpoint import CheckpointError, read_config
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 NODE_ADDRS_FIX = (
@@ -51,6 +50,8 @@ def check_model_layout(cfg: Config, add: Add) -> None:
     """What only the model directory tells: the Megatron engine splits its heads and output groups."""
     if cfg.parallel.train.backend.value != "megatron" or cfg.model.path is None:
         return
+    from dsv4rl.model.native_checkpoint import CheckpointError, read_config  # torch: only when needed
+
     try:
         config = read_config(cfg.model.path)
     except (CheckpointError, OSError, ValueError):
@@ -85,10 +86,11 @@ def check_paths(cfg: Config, add: Add) -> None:
             "data.path=<jsonl or parquet file> or set DSV4RL_DATA_DIR to the data directory"
         )
     e = cfg.eval
-    if e.name != "none" and e.dataset is not None and not Path(e.dataset).expanduser().is_file():
+    local = e.dataset is not None and not e.dataset.startswith("hf:")  # hf:<name>: read from the hub
+    if e.name != "none" and local and not Path(e.dataset).expanduser().is_file():
         add(
             f"eval.dataset {e.dataset!r} does not exist (resolved: {Path(e.dataset).resolve()}): pass "
-            "eval.dataset=<jsonl file>, set DSV4RL_DATA_DIR, or use eval=none"
+            "data.path=<file> (dsv4rl eval) or eval.dataset=<file>, set DSV4RL_DATA_DIR, or use eval=none"
         )
     c = cfg.cluster
     if c.nnodes > 1 and c.master_addr in LOOPBACK:

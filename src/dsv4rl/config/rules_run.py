@@ -10,7 +10,7 @@ import math
 from dsv4rl.config.rules_base import Add, data_parallel_size
 from dsv4rl.config.schema import LAYER_TYPES, MLP_TYPES, Config, RolloutEngineKind, SamplingConfig
 
-GRADERS = ("arith", "dapo", "boxed", "math_verify")
+GRADERS = ("arith", "dapo", "answer_line", "boxed", "math_verify")
 PAUSE_MODES = ("abort", "retract", "in_place")
 OPTIMIZERS = ("adam", "adamw")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -188,9 +188,33 @@ def check_data_reward_eval(cfg: Config, add: Add) -> None:
         add(f"eval.grader={e.grader!r} is unknown; choose one of {', '.join(GRADERS)}")
     if e.every_steps < 0:
         add(f"eval.every_steps must be >= 0 (got {e.every_steps}; 0: no periodic evaluation)")
+    if d.holdout < 0 or e.holdout < 0:
+        add(f"data.holdout and eval.holdout must be >= 0 (got {d.holdout}, {e.holdout})")
     if e.name != "none":
-        if e.dataset is None:
-            add(f"eval.name={e.name!r} needs eval.dataset=<jsonl file> (or eval=none)")
+        from dsv4rl.eval.data import EVAL_SETS, TEMPLATES
+
+        if e.name not in EVAL_SETS:
+            add(
+                f"eval.name={e.name!r} is not an eval set; choose one of "
+                f"{', '.join(sorted(EVAL_SETS))} or none"
+            )
+        elif e.dataset is None and e.name != "tiny_arith":
+            add(f"eval.name={e.name!r} needs its data: data.path=<file> (dsv4rl eval), eval.dataset=<file>, "
+                "or DSV4RL_DATA_DIR")  # fmt: skip
+        if e.holdout and e.dataset == d.path and d.holdout < e.holdout:
+            add(
+                f"eval.holdout={e.holdout} scores the last {e.holdout} rows of {d.path}, but training reads "
+                f"all but the last data.holdout={d.holdout}: set data.holdout={e.holdout} so it never trains "
+                "on them"
+            )
+        if e.max_problems is not None and e.max_problems < 1:
+            add(f"eval.max_problems must be >= 1 or null (got {e.max_problems})")
+        template = e.prompt_template
+        if template is not None and template not in TEMPLATES and "{problem}" not in template:
+            add(
+                f"eval.prompt_template={template!r} is neither a named template ({', '.join(TEMPLATES)}) "
+                "nor a text with a {problem} placeholder"
+            )
         if e.samples_per_problem < 1:
             add(f"eval.samples_per_problem must be >= 1 (got {e.samples_per_problem})")
         bad_k = [k for k in e.k if not 1 <= k <= e.samples_per_problem]

@@ -289,6 +289,7 @@ class DataConfig:
     answer_key: str = "reward_model.ground_truth"
     shuffle: bool = True
     max_prompt_len: int = 1024
+    holdout: int = 0  # the file's last N rows are never trained on (eval=dapo_math_holdout scores them)
     arith: ArithDataConfig = field(default_factory=ArithDataConfig)
 
 
@@ -302,12 +303,18 @@ class RewardConfig:
 
 @dataclass
 class EvalConfig:
-    name: str = "none"
-    dataset: str | None = None  # path to a jsonl file (aime24.jsonl, ...)
+    """An eval set (`dsv4rl eval <name>`, and every `every_steps` steps of training)."""
+
+    name: str = "none"  # none | tiny_arith | aime24 | math500 | gsm8k | dapo_math_holdout
+    # A .jsonl/.parquet file, or "hf:<owner>/<name>" for the Hugging Face hub (needs `datasets` and a network)
+    dataset: str | None = None
     grader: str = "math_verify"
     samples_per_problem: int = 8
-    k: list[int] = field(default_factory=lambda: [1, 8])
+    k: list[int] = field(default_factory=lambda: [1, 8])  # the pass@k written to metrics.jsonl in training
     every_steps: int = 0  # 0: no periodic evaluation
+    holdout: int = 0  # > 0: only the last `holdout` rows of the file (rows training never sees: data.holdout)
+    max_problems: int | None = None  # the first N problems only (quick checks)
+    prompt_template: str | None = None  # "{problem}" is replaced by the problem text; null: the text alone
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 

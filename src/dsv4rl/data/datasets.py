@@ -224,14 +224,24 @@ def problem_source(cfg: DataConfig, seed: int = 0) -> Sequence[Problem]:
     """The problems a recipe's `data` section names: procedural arithmetic, a known data set, or a file.
 
     For names outside `DATASETS` (e.g. "custom"), `cfg.path` is read with `cfg.prompt_key` and
-    `cfg.answer_key`; known data sets use their own schema and ignore those keys.
+    `cfg.answer_key`; known data sets use their own schema and ignore those keys. The file's last
+    `cfg.holdout` rows are left out (an eval set may score them).
     """
     if cfg.name == "tiny_arith":
         return ArithProblems(cfg.arith, seed)
     if not cfg.path:
         raise ValueError(f"data.path is required for data.name={cfg.name!r} (a .jsonl or .parquet file)")
     if _ALIASES.get(cfg.name, cfg.name) in DATASETS:
-        return load_problems(cfg.name, cfg.path)
-    return load_file_problems(
-        cfg.path, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, id_prefix=f"{cfg.name}-"
-    )
+        problems = load_problems(cfg.name, cfg.path)
+    else:
+        problems = load_file_problems(
+            cfg.path, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, id_prefix=f"{cfg.name}-"
+        )
+    return held_in(problems, cfg.holdout, f"data.holdout={cfg.holdout}", cfg.path)
+
+
+def held_in(problems: list[Problem], holdout: int, what: str, path: str) -> list[Problem]:
+    """All but the last `holdout` problems; refuses a hold-out that leaves nothing."""
+    if holdout and holdout >= len(problems):
+        raise DatasetError(path, None, None, f"has {len(problems)} rows, all of them held out by {what}")
+    return problems[: len(problems) - holdout] if holdout else problems

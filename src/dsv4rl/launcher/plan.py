@@ -259,7 +259,10 @@ def sglang_env(cfg: Config, env: Mapping[str, str]) -> dict[str, str]:
 
 
 def trainer_argv(cfg: Config, run_dir: Path, task: str = "train") -> list[str]:
-    """torchrun from this interpreter's environment (`python -m torch.distributed.run`)."""
+    """torchrun from this interpreter's environment (`python -m torch.distributed.run`); `dsv4rl eval`
+    runs one evaluating process instead (no trainer: the engines serve the recipe's model)."""
+    if task == "eval":
+        return [sys.executable, "-m", "dsv4rl.eval.worker", "--config", str(config_path(cfg, run_dir))]
     pt = cfg.parallel.train
     task_args = [] if task == "train" else ["--task", task]
     return [
@@ -284,7 +287,7 @@ def build_local_plan(
     task: str = "train",
 ) -> list[ProcessSpec]:
     """Engines first (they must be healthy before the trainer starts), then the trainer (`task`: train or
-    align). SGLang engines also get `quant.engine_env`."""
+    align; eval: the evaluating process). SGLang engines also get `quant.engine_env`."""
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
     node = cfg.cluster.node_rank
@@ -292,8 +295,9 @@ def build_local_plan(
         raise ValueError(f"cluster.node_rank={node} is outside 0..{cfg.cluster.nnodes - 1} (cluster.nnodes)")
     model = str(model_path or (run_dir / "model" if cfg.model.path is None else cfg.model.path))
     engines = engines_on_node(cfg, node)
-    runs_trainer = node in trainer_nodes(cfg)
-    nproc = cfg.parallel.train.nproc_per_node if runs_trainer else 0
+    evaluating = task == "eval"  # one evaluating process on node 0 in the trainer's place
+    runs_trainer = node == 0 if evaluating else node in trainer_nodes(cfg)
+    nproc = (1 if evaluating else cfg.parallel.train.nproc_per_node) if runs_trainer else 0
     env = _cpu_threads(cfg, _base_env(cfg, base_env), len(engines) + nproc)
     kind = _value(cfg.parallel.rollout.engine)
     gpe = cfg.parallel.rollout.gpus_per_engine
@@ -332,7 +336,7 @@ def build_local_plan(
         if engines_need_keys(cfg):
             trainer_env[KEYS_FILE_ENV] = str(engine_keys_file(run_dir))
         meta = {"nproc": str(nproc)}
-        gpus = cfg.cluster.gpus_per_node
+        gpus = 0 if evaluating else cfg.cluster.gpus_per_node
         if gpus and engines and not cfg.parallel.colocate:
             free = list(range(len(engines) * gpe, gpus))
             if len(free) < nproc:

@@ -10,6 +10,7 @@ Every grader returns `correct` or `incorrect` (defaults 1.0 / 0.0; DAPO trains w
 - "dapo": DAPO's rule grader (verl `math_dapo.compute_score`): look at the last 300 characters, take
   the text after the last "Answer:" (case-insensitive) on its line, Minerva-normalise it and the
   ground truth, compare the strings.
+- "answer_line": the same rule over the whole response (not only its last 300 characters).
 - "boxed": the same comparison on the content of the last balanced \\boxed{...}.
 - "math_verify": Hugging Face math-verify, `verify(parse(gold), parse(response))`, run in worker
   processes with a per-response timeout (`timeout_s`) that works from any thread; a response that
@@ -34,6 +35,10 @@ class Grader(Protocol):
 
     def grade(self, response: str, ground_truth: str) -> float: ...
 
+    def final_answer(self, response: str) -> str | None:
+        """The normalised answer the response states, as this grader reads it (maj@n votes on it)."""
+        ...
+
 
 _LEADING_INT = re.compile(r"-?\d+(?!\.\d)(?!\d)")
 
@@ -45,9 +50,12 @@ class ArithGrader:
     name: str = field(default="arith", init=False)
 
     def grade(self, response: str, ground_truth: str) -> float:
-        match = _LEADING_INT.match(response.strip())
-        ok = match is not None and match.group(0) == ground_truth.strip()
+        ok = self.final_answer(response) == ground_truth.strip()
         return self.correct if ok else self.incorrect
+
+    def final_answer(self, response: str) -> str | None:
+        match = _LEADING_INT.match(response.strip())
+        return match.group(0) if match is not None else None
 
 
 @dataclass
@@ -61,9 +69,21 @@ class DapoGrader:
         return last_answer_line(response[-self.tail_chars :] if self.tail_chars > 0 else response)
 
     def grade(self, response: str, ground_truth: str) -> float:
-        answer = self.extract(response)
-        ok = answer is not None and normalize_final_answer(answer) == normalize_final_answer(ground_truth)
+        answer = self.final_answer(response)
+        ok = answer is not None and answer == normalize_final_answer(ground_truth)
         return self.correct if ok else self.incorrect
+
+    def final_answer(self, response: str) -> str | None:
+        answer = self.extract(response)
+        return normalize_final_answer(answer) if answer is not None else None
+
+
+@dataclass
+class AnswerLineGrader(DapoGrader):
+    """DAPO's "Answer:" rule over the whole response, for eval sets whose prompts ask for that line."""
+
+    tail_chars: int = 0
+    name: str = field(default="answer_line", init=False)
 
 
 @dataclass
@@ -73,9 +93,13 @@ class BoxedGrader:
     name: str = field(default="boxed", init=False)
 
     def grade(self, response: str, ground_truth: str) -> float:
-        answer = last_boxed(response)
-        ok = answer is not None and normalize_final_answer(answer) == normalize_final_answer(ground_truth)
+        answer = self.final_answer(response)
+        ok = answer is not None and answer == normalize_final_answer(ground_truth)
         return self.correct if ok else self.incorrect
+
+    def final_answer(self, response: str) -> str | None:
+        answer = last_boxed(response)
+        return normalize_final_answer(answer) if answer is not None else None
 
 
 class MathVerifyGrader:
@@ -97,6 +121,13 @@ class MathVerifyGrader:
         results = self._pool.map(verify_answer, list(zip(responses, ground_truths, strict=True)))
         return [self.correct if r is True else self.incorrect for r in results]
 
+    def final_answer(self, response: str) -> str | None:
+        """math-verify reads the last \\boxed{} (else the last "Answer:" line); votes use its normal form."""
+        answer = last_boxed(response)
+        if answer is None:
+            answer = last_answer_line(response)
+        return normalize_final_answer(answer) if answer is not None else None
+
     @property
     def restarts(self) -> int:
         """How many times the worker pool was killed (timeouts, dead workers)."""
@@ -113,10 +144,17 @@ class MathVerifyGrader:
         self.__init__(**state)
 
 
-GRADERS = {"arith": ArithGrader, "dapo": DapoGrader, "boxed": BoxedGrader, "math_verify": MathVerifyGrader}
+GRADERS = {
+    "arith": ArithGrader,
+    "dapo": DapoGrader,
+    "answer_line": AnswerLineGrader,
+    "boxed": BoxedGrader,
+    "math_verify": MathVerifyGrader,
+}
 _OPTIONS = {
     "arith": ("correct", "incorrect"),
     "dapo": ("correct", "incorrect", "tail_chars"),
+    "answer_line": ("correct", "incorrect"),
     "boxed": ("correct", "incorrect"),
     "math_verify": ("correct", "incorrect", "timeout_s", "num_workers"),
 }
@@ -158,6 +196,7 @@ def grade_batch(grader: Grader, responses: Sequence[str], answers: Sequence[str]
 
 __all__ = [
     "GRADERS",
+    "AnswerLineGrader",
     "ArithGrader",
     "BoxedGrader",
     "DapoGrader",

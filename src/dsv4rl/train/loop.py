@@ -23,6 +23,7 @@ from dsv4rl.algo.dapo import keep_informative_groups, overlong_penalty
 from dsv4rl.algo.grpo import group_advantages
 from dsv4rl.config.schema import Config
 from dsv4rl.data.stream import PromptStream
+from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.metrics import MetricsWriter, StepTimer
 from dsv4rl.reward.graders import Grader, grade_batch
 from dsv4rl.rollout.client import EngineClient
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Driver:
-    """What only rank 0 holds: the engines, the data, the grader and the metrics file."""
+    """What only rank 0 holds: the engines, the data, the grader, the periodic eval and the metrics file."""
 
     clients: Sequence[EngineClient]
     stream: PromptStream
@@ -48,6 +49,7 @@ class Driver:
     metrics_path: Path
     event_loop: asyncio.AbstractEventLoop
     verifier: SyncVerifier
+    evaluator: PeriodicEval | None = None  # the recipe's eval set every eval.every_steps steps
 
 
 class TrainEngine(Protocol):
@@ -178,9 +180,14 @@ class RLLoop:
             )
         with timer.phase("sync"):
             sync_stats, verify_metrics = self.sync_weights(version=step)
+        eval_metrics = {}
+        evaluator = self.driver.evaluator if self.driver is not None else None
+        if evaluator is not None and evaluator.due(step):
+            with timer.phase("eval"):  # the engines hold this step's weights now
+                eval_metrics = evaluator.run(step)
         if self.driver is not None:
             metrics = {"step": step, **rollout_metrics, **train_metrics, **timer.as_metrics()}
-            metrics.update(sync_metrics(sync_stats), **verify_metrics)
+            metrics.update(sync_metrics(sync_stats), **verify_metrics, **eval_metrics)
             self.writer.write(metrics)
 
     # -------------------------------------------------------- rank 0: rollout

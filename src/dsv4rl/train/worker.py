@@ -26,6 +26,7 @@ from dsv4rl.config.compose import load_config_file
 from dsv4rl.config.rules_quant import engine_env
 from dsv4rl.config.schema import Config
 from dsv4rl.data.stream import build_prompt_stream
+from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.launcher.engine_keys import engine_keys_from_env
 from dsv4rl.launcher.plan import engine_urls, source_model_dir
 from dsv4rl.model.tiny import load_tokenizer
@@ -76,6 +77,9 @@ def build_driver(
     tokenizer = load_tokenizer(
         cfg.model if cfg.model.path is None else replace(cfg.model, tokenizer=model_path)
     )
+    evaluator = None
+    if cfg.eval.name != "none" and cfg.eval.every_steps > 0:
+        evaluator = PeriodicEval(cfg, clients, tokenizer, event_loop, run_dir)
     return Driver(
         clients=clients,
         stream=build_prompt_stream(cfg),
@@ -84,6 +88,7 @@ def build_driver(
         metrics_path=run_dir / "metrics.jsonl",
         event_loop=event_loop,
         verifier=SyncVerifier(clients, cfg.sync.verify, cfg.quant.name, event_loop),
+        evaluator=evaluator,
     )
 
 
@@ -204,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             close_grader = getattr(driver.grader, "close", None)  # math-verify keeps a process pool
             if close_grader is not None:
                 close_grader()
+            if driver.evaluator is not None:
+                driver.evaluator.close()
             for client in driver.clients:
                 event_loop.run_until_complete(client.aclose())
         event_loop.close()

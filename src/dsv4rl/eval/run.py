@@ -1,0 +1,186 @@
+"""One evaluation: generate n samples per problem on the engines (or take saved responses), grade them in
+the grader's pool, score them, and build the report (`dsv4rl eval`, and training's periodic eval).
+
+The report is a plain dict, written as JSON: the headline scores at its top level (`pass@1`, `pass@2`,
+..., `avg@n`, `maj@n`, `truncation_ratio`, `response_len_mean`), then what was evaluated and how, where
+the time went, the per-problem table, and the problems that could not be scored (saved responses with
+unknown ids, problems without responses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from dsv4rl.config.schema import Config, EvalConfig
+from dsv4rl.data.problems import Problem
+from dsv4rl.eval.scores import ProblemResult, problem_row, score_problems
+from dsv4rl.reward.graders import Grader, grade_batch
+from dsv4rl.rollout.generate import generate_samples
+from dsv4rl.rollout.types import Sample
+
+__all__ = ["REPORT_FILE", "ResponsesError", "evaluate_on_engines", "evaluate_responses", "write_report"]
+
+REPORT_FILE = "eval.json"
+
+
+class ResponsesError(ValueError):
+    """A saved-responses file that cannot be graded; the message names the line and the fix."""
+
+
+def grade_results(
+    problems: Sequence[Problem],
+    responses: Sequence[Sequence[str]],
+    grader: Grader,
+    samples: Sequence[Sequence[Sample]] | None = None,
+) -> tuple[list[ProblemResult], float]:
+    """Grade every response (one pool round for all of them) -> results and the seconds grading took."""
+    flat = [text for texts in responses for text in texts]
+    answers = [p.answer for p, texts in zip(problems, responses, strict=True) for _ in texts]
+    start = time.monotonic()
+    grades = grade_batch(grader, flat, answers)
+    seconds = time.monotonic() - start
+    correct_value = getattr(grader, "correct", 1.0)
+    results, at = [], 0
+    for index, (problem, texts) in enumerate(zip(problems, responses, strict=True)):
+        mine = grades[at : at + len(texts)]
+        at += len(texts)
+        sampled = samples[index] if samples is not None else None
+        results.append(
+            ProblemResult(
+                id=problem.id,
+                answer=problem.answer,
+                correct=[g == correct_value for g in mine],
+                final_answers=[grader.final_answer(text) for text in texts],
+                lengths=[len(s.response_ids) for s in sampled] if sampled is not None else None,
+                truncated=[s.truncated for s in sampled] if sampled is not None else None,
+                responses=list(texts),
+            )
+        )
+    return results, seconds
+
+
+def build_report(
+    cfg: EvalConfig, results: list[ProblemResult], seconds: dict[str, float], sampled: bool, **extra: Any
+) -> dict[str, Any]:
+    return {
+        **score_problems(results),
+        "eval": cfg.name,
+        "dataset": cfg.dataset,
+        "grader": cfg.grader,
+        "sampling": asdict(cfg.sampling) if sampled else None,  # saved responses: not sampled here
+        "seconds": seconds,
+        **extra,
+        "per_problem": [problem_row(r) for r in results],
+    }
+
+
+def evaluate_on_engines(
+    cfg: Config,
+    problems: Sequence[Problem],
+    clients: Sequence[Any],
+    tokenizer: Any,
+    grader: Grader,
+    event_loop: asyncio.AbstractEventLoop,
+    seed: int | None,
+) -> dict[str, Any]:
+    """`cfg.eval.samples_per_problem` samples of every problem from the engines, graded and scored."""
+    e = cfg.eval
+    start = time.monotonic()
+    samples = event_loop.run_until_complete(
+        generate_samples(clients, problems, tokenizer, e.samples_per_problem, e.sampling, seed=seed)
+    )
+    generate_s = time.monotonic() - start
+    by_problem = [
+        samples[i * e.samples_per_problem : (i + 1) * e.samples_per_problem] for i in range(len(problems))
+    ]
+    responses = [[s.response_text for s in group] for group in by_problem]
+    results, grade_s = grade_results(problems, responses, grader, by_problem)
+    return build_report(
+        e,
+        results,
+        {"generate": generate_s, "grade": grade_s},
+        True,
+        engines=[getattr(c, "base_url", str(c)) for c in clients],
+        unknown_ids=[],
+        missing=[],
+    )
+
+
+def read_responses(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line number, id, responses) of every line of a saved-responses file."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ResponsesError(
+                f'{where}: not JSON ({exc.msg}); each line is {{"id": ..., "responses": [...]}}'
+            ) from None
+        if not isinstance(record, dict) or "id" not in record or "responses" not in record:
+            raise ResponsesError(
+                f'{where}: expected {{"id": ..., "responses": ["...", ...]}}, got {line[:80]!r}'
+            )
+        texts = record["responses"]
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise ResponsesError(f"{where}: responses must be a list of strings")
+        rows.append((number, str(record["id"]), texts))
+    return rows
+
+
+def evaluate_responses(
+    cfg: EvalConfig, problems: Sequence[Problem], path: Path, grader: Grader
+) -> dict[str, Any]:
+    """Grade saved generations. Ids must match the data set's; unknown ids and problems without
+    responses are listed in the report (`unknown_ids`, `missing`), never dropped silently."""
+    rows = read_responses(path)
+    known = {p.id: p for p in problems}
+    given: dict[str, list[str]] = {}
+    unknown = []
+    for number, pid, texts in rows:
+        if pid not in known:
+            unknown.append({"line": number, "id": pid})
+        else:
+            given.setdefault(pid, []).extend(texts)
+    missing = [p.id for p in problems if not given.get(p.id)]
+    graded = [p for p in problems if given.get(p.id)]
+    if not graded:
+        raise ResponsesError(
+            f"{path}: no line matches a problem of eval {cfg.name!r} (its ids look like "
+            f"{[p.id for p in problems[:3]]}; {len(unknown)} unknown id(s), "
+            f"e.g. {[u['id'] for u in unknown[:3]]})"
+        )
+    counts = sorted({len(given[p.id]) for p in graded})
+    if len(counts) > 1:
+        raise ResponsesError(
+            f"{path}: problems have different numbers of responses ({counts}); pass@k needs the same n "
+            "for every problem"
+        )
+    results, grade_s = grade_results(graded, [given[p.id] for p in graded], grader)
+    return build_report(
+        cfg,
+        results,
+        {"grade": grade_s},
+        False,
+        responses_file=str(path),
+        unknown_ids=unknown,
+        missing=missing,
+    )
+
+
+def write_report(report: dict[str, Any], directory: Path, name: str = REPORT_FILE) -> Path:
+    """Atomically (a reader never sees half a report)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    partial = directory / f".{name}.tmp"
+    partial.write_text(json.dumps(report, indent=2) + "\n")
+    partial.replace(path)
+    return path

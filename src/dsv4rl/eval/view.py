@@ -1,0 +1,62 @@
+"""The eval report as rich tables: the headline scores, then the problems one by one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+PROBLEM_ROWS = 40  # the rest stays in the JSON report
+
+
+def headline_keys(report: dict[str, Any]) -> list[str]:
+    """pass@k in k order, then avg@n and maj@n."""
+    passes = sorted((k for k in report if k.startswith("pass@")), key=lambda k: int(k.split("@")[1]))
+    return passes + [k for k in report if k.startswith(("avg@", "maj@"))]
+
+
+def render_eval(report: dict[str, Any], console: Console, report_path: str | None = None) -> None:
+    scores = Table(
+        title=f"eval {report['eval']}: {report['problems']} problems x {report['samples_per_problem']}"
+    )
+    scores.add_column("score", style="cyan")
+    scores.add_column("value", justify="right")
+    for key in headline_keys(report):
+        scores.add_row(key, f"{report[key]:.4f}")
+    for key, label in (("truncation_ratio", "truncated"), ("response_len_mean", "mean response tokens")):
+        if report.get(key) is not None:
+            scores.add_row(label, f"{report[key]:.4g}")
+    console.print(scores)
+    rows = report["per_problem"]
+    table = Table(title=f"per problem ({min(len(rows), PROBLEM_ROWS)} of {len(rows)})")
+    for column in ("id", "answer", "correct", "majority answer"):
+        table.add_column(column)
+    for row in rows[:PROBLEM_ROWS]:
+        majority = row["majority_answer"] if row["majority_answer"] is not None else "-"
+        mark = "[green]✓[/green]" if row["majority_correct"] else "[red]✗[/red]"
+        table.add_row(
+            str(row["id"]), row["answer"], f"{row['correct']}/{row['samples']}", f"{majority:.30} {mark}"
+        )
+    console.print(table)
+    sampling = report["sampling"]
+    timing = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in report["seconds"].items())
+    how = (
+        f"temperature {sampling['temperature']:g}, top-p {sampling['top_p']:g}, "
+        f"cap {sampling['max_new_tokens']} tokens"
+        if sampling is not None
+        else f"saved responses ({report.get('responses_file')})"
+    )
+    console.print(f"grader {report['grader']}, {how}; {timing}")
+    if report.get("unknown_ids"):
+        ids = [u["id"] for u in report["unknown_ids"]]
+        console.print(
+            f"[yellow]{len(ids)} response line(s) with ids not in the eval set: {ids[:10]}[/yellow]"
+        )
+    if report.get("missing"):
+        console.print(
+            f"[yellow]{len(report['missing'])} problem(s) without responses: "
+            f"{report['missing'][:10]}[/yellow]"
+        )
+    if report_path:
+        console.print(f"report: {report_path}")

@@ -1,0 +1,63 @@
+"""The evaluating process of `dsv4rl eval`: `python -m dsv4rl.eval.worker --config RUN_DIR/config.yaml`.
+
+The node supervisor starts it in the trainer's place once the recipe's engines are healthy (the same
+engines, on the same devices, with the same environment as training); it samples the eval set on them,
+grades, and writes RUN_DIR/eval.json. No trainer and no weight sync: the engines serve the recipe's model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from dsv4rl.config.compose import load_config_file
+from dsv4rl.eval.data import eval_problems
+from dsv4rl.eval.run import evaluate_on_engines, write_report
+from dsv4rl.model.tiny import load_tokenizer
+from dsv4rl.reward.graders import get_grader
+from dsv4rl.train.loop import rollout_seed
+from dsv4rl.train.worker import engine_clients
+
+log = logging.getLogger("dsv4rl.eval")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True, help="the resolved config.yaml the launcher wrote")
+    args = parser.parse_args(argv)
+    cfg = load_config_file(args.config)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    run_dir = Path(cfg.run.dir)
+    model_path = cfg.model.path or str(run_dir / "model")
+    tokenizer = load_tokenizer(
+        cfg.model if cfg.model.path is None else replace(cfg.model, tokenizer=model_path)
+    )
+    problems = eval_problems(cfg)
+    grader = get_grader(cfg.eval.grader, reward=cfg.reward)
+    clients = engine_clients(cfg)
+    event_loop = asyncio.new_event_loop()
+    try:
+        log.info(
+            "eval %s: %d problems x %d samples", cfg.eval.name, len(problems), cfg.eval.samples_per_problem
+        )
+        seed = rollout_seed(cfg.seed, 0) if cfg.engine.reproducible_sampling else None
+        report = evaluate_on_engines(cfg, problems, clients, tokenizer, grader, event_loop, seed)
+        path = write_report(report, run_dir)
+        log.info("eval %s: pass@1 %.4f, report %s", cfg.eval.name, report["pass@1"], path)
+    finally:
+        for client in clients:
+            event_loop.run_until_complete(client.aclose())
+        event_loop.close()
+        close = getattr(grader, "close", None)
+        if close is not None:
+            close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
