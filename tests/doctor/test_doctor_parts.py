@@ -129,7 +129,7 @@ def test_one_gpu_has_no_link_to_measure() -> None:
 
 
 def test_gloo_probe_runs_two_cpu_ranks_on_loopback() -> None:
-    """The real --probe path on CPU: two forked ranks, all-reduce and broadcast over gloo."""
+    """The real --probe path on CPU: two spawned ranks, all-reduce and broadcast over gloo."""
     seconds = bandwidth.run_ranks(2, "gloo", 2**20, 2)
     assert set(seconds) == {"all_reduce", "broadcast"}
     assert all(0 < s < 30 for s in seconds.values())

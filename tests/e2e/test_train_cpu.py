@@ -91,6 +91,20 @@ def test_tiny_arith_learns(demo_run: Path) -> None:
     assert (demo_run / "eval" / "step_00000120.json").is_file()
 
 
+def test_report_of_the_demo_run(demo_run: Path) -> None:
+    """`dsv4rl report` on the demo's run dir: every plot, eval scores included, and the summary."""
+    argv = [sys.executable, "-m", "dsv4rl.cli", "report", str(demo_run)]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = demo_run / "report"
+    names = ("reward", "response_length", "logprob_diff", "kl_entropy", "step_time", "sync", "eval")
+    for name in names:
+        png = (out / f"{name}.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 8000, name
+    summary = (out / "report.md").read_text()
+    assert "finished" in summary and "eval/pass@1" in summary
+
+
 def test_eval_of_the_tiny_model_through_the_reference_engine(tmp_path: Path) -> None:
     """`dsv4rl eval tiny_arith --json`: the supervisor starts the engine, 16 problems x 8 samples are
     sampled and graded, and the report's numbers agree with its own per-problem table."""

@@ -63,3 +63,20 @@ def test_unequal_sample_counts_are_refused() -> None:
         score_problems([a, b])
     with pytest.raises(ValueError, match="no graded problems"):
         score_problems([])
+
+
+def test_training_metrics_take_the_recipe_ks_under_eval() -> None:
+    from dsv4rl.eval.periodic import eval_metrics
+
+    result = ProblemResult(
+        "a", "1", [True, False, False, False], ["1", "2", "2", "2"], [1, 1, 1, 1], [0, 0, 0, 1]
+    )
+    report = score_problems([result])
+    assert eval_metrics(report, [1, 4]) == {
+        "eval/pass@1": 0.25,
+        "eval/pass@4": 1.0,
+        "eval/avg@4": 0.25,
+        "eval/maj@4": 0.0,
+        "eval/truncation_ratio": 0.25,
+        "eval/response_len_mean": 1.0,
+    }

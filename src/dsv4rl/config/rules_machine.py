@@ -50,6 +50,8 @@ def check_model_layout(cfg: Config, add: Add) -> None:
     """What only the model directory tells: the Megatron engine splits its heads and output groups."""
     if cfg.parallel.train.backend.value != "megatron" or cfg.model.path is None:
         return
+    if not (Path(cfg.model.path).expanduser() / "config.json").is_file():
+        return  # check_paths names the missing directory (and nothing imports torch for it)
     from dsv4rl.model.native_checkpoint import CheckpointError, read_config  # torch: only when needed
 
     try:

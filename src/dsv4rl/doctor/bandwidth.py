@@ -147,10 +147,10 @@ def run_ranks(world: int, backend: str, size_bytes: int, iters: int) -> dict[str
 
     with tempfile.TemporaryDirectory(prefix="dsv4rl-doctor-") as tmp:
         out = str(Path(tmp) / "seconds.json")
-        # fork is fast (torch is imported once) and safe while the parent has not touched CUDA; GPUs: spawn.
-        method = "spawn" if backend == "nccl" else "fork"
+        # spawn, never fork: a parent whose torch already ran OpenMP threads (or touched CUDA) forks
+        # children that hang in their first parallel op (seen inside a long pytest session)
         args = (world, _free_port(), backend, size_bytes, iters, out)
-        context = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method=method)
+        context = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + DEADLINE_S
         try:
             while not context.join(timeout=1.0):
