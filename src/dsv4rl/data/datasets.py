@@ -237,11 +237,14 @@ def problem_source(cfg: DataConfig, seed: int = 0) -> Sequence[Problem]:
         problems = load_file_problems(
             cfg.path, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, id_prefix=f"{cfg.name}-"
         )
-    return held_in(problems, cfg.holdout, f"data.holdout={cfg.holdout}", cfg.path)
+    return split_holdout(problems, cfg.holdout, f"data.holdout={cfg.holdout}", cfg.path)[0]
 
 
-def held_in(problems: list[Problem], holdout: int, what: str, path: str) -> list[Problem]:
-    """All but the last `holdout` problems; refuses a hold-out that leaves nothing."""
+def split_holdout(
+    problems: list[Problem], holdout: int, what: str, path: str
+) -> tuple[list[Problem], list[Problem]]:
+    """(all but the last `holdout` problems, those last ones); refuses a hold-out that leaves nothing."""
     if holdout and holdout >= len(problems):
         raise DatasetError(path, None, None, f"has {len(problems)} rows, all of them held out by {what}")
-    return problems[: len(problems) - holdout] if holdout else problems
+    cut = len(problems) - holdout
+    return problems[:cut], problems[cut:]

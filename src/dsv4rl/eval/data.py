@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dsv4rl.config.schema import Config
 from dsv4rl.data.arith import ArithProblems
-from dsv4rl.data.datasets import DAPO_TEMPLATE, DatasetError, held_in, load_problems
+from dsv4rl.data.datasets import DAPO_TEMPLATE, DatasetError, load_problems, split_holdout
 from dsv4rl.data.problems import Problem
 
 __all__ = ["EVAL_SETS", "HUB_PREFIX", "EvalDataError", "eval_problems"]
@@ -47,8 +47,7 @@ def eval_problems(cfg: Config) -> list[Problem]:
     else:
         problems = load_problems(EVAL_SETS[e.name], e.dataset)
     if e.holdout:
-        kept = held_in(problems, e.holdout, f"eval.holdout={e.holdout}", str(e.dataset))
-        problems = problems[len(kept) :]
+        problems = split_holdout(problems, e.holdout, f"eval.holdout={e.holdout}", str(e.dataset))[1]
     if e.max_problems is not None:
         problems = problems[: e.max_problems]
     template = TEMPLATES.get(e.prompt_template, e.prompt_template) if e.prompt_template else None
