@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -196,11 +196,15 @@ def bench_main(
     run: Callable[[argparse.Namespace], dict[str, Any]],
     report: Callable[[dict[str, Any]], None],
     argv: list[str] | None = None,
+    extra_args: Sequence[tuple[tuple[str, ...], dict[str, Any]]] = (),
 ) -> int:
-    """The command line every bench shares: `[--quick] [--out FILE]`, a printed report, JSON results."""
+    """The command line every bench shares: `[--quick] [--out FILE]` (plus the bench's `extra_args`,
+    argparse's (flags, options) pairs), a printed report, JSON results."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=default_out, help=f"JSON results (default {default_out})")
     parser.add_argument("--quick", action="store_true", help=quick_help)
+    for flags, options in extra_args:
+        parser.add_argument(*flags, **options)
     args = parser.parse_args(argv)
     install_signal_handlers()
     result = run(args)

@@ -189,7 +189,7 @@ def test_plan_dapo_math_all_nodes(supervisor: list[Config]) -> None:
         assert trainer["role"] == "trainer" and argv[1:3] == ["-m", "torch.distributed.run"]
         assert (_flag(argv, "--nnodes"), _flag(argv, "--nproc-per-node")) == ("2", "8")
         assert _flag(argv, "--node-rank") == str(node["node"]) and _flag(argv, "--master-addr") == "gpu-a01"
-        assert trainer["env"]["DSV4RL_ENGINE_URLS"].split(",")[0] == "http://gpu-a03:30000"
+        assert "DSV4RL_ENGINE_URLS" not in trainer["env"]  # the trainer reads the topology from its config
         assert len(node["waits_for"]) == 4
     for node in nodes[2:]:
         engines = node["processes"]
@@ -223,7 +223,7 @@ def test_plan_dapo_math_all_nodes(supervisor: list[Config]) -> None:
 def test_plan_without_node_addrs_says_what_is_unresolved() -> None:
     plan = plan_json("recipe=dapo_math", "--node-rank", "0")
     (node,) = plan["nodes"]
-    assert node["waits_for"] is None and "DSV4RL_ENGINE_URLS" not in node["processes"][0]["env"]
+    assert node["waits_for"] is None
     assert any("cluster.node_addrs is empty" in w for w in plan["warnings"])
     result = runner.invoke(app, ["plan", "recipe=dapo_math", "--node-rank", "0"])
     assert result.exit_code == 0, result.output
@@ -234,7 +234,7 @@ def test_plan_tiny_arith_table() -> None:
     plan = plan_json("recipe=tiny_arith")
     (node,) = plan["nodes"]
     assert [p["name"] for p in node["processes"]] == ["engine-0", "trainer"]
-    assert node["processes"][1]["env"]["DSV4RL_ENGINE_URLS"] == "http://127.0.0.1:30000"
+    assert plan["engines"][0]["url"] == "http://127.0.0.1:30000"
     assert plan["warnings"] == []
     result = runner.invoke(app, ["plan", "recipe=tiny_arith", "parallel=cpu_fsdp2"])
     assert result.exit_code == 0, result.output

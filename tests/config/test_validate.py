@@ -285,6 +285,15 @@ def test_overlong_that_never_fires(tiny: Config) -> None:
     assert_problem(tiny, "algo.overlong.expected_len=16384", "can never apply")
 
 
+def test_async_rollout_needs_a_staleness_correction_and_its_own_devices(tiny: Config) -> None:
+    tiny.algo.async_rollout = True
+    assert_problem(tiny, "algo.async_rollout=true", "algo.tis.enabled=true")
+    tiny.algo.mis.enabled = True
+    validate(tiny, check_paths=False)
+    tiny.parallel.colocate = True
+    assert_problem(tiny, "parallel.colocate=true")
+
+
 def test_tis_clip_positive(tiny: Config) -> None:
     tiny.algo.tis.clip = 0.0
     assert_problem(tiny, "algo.tis.clip must be > 0")
@@ -295,7 +304,7 @@ def test_optimizer_rules(tiny: Config) -> None:
     tiny.optim.lr = 0.0
     tiny.optim.betas = [0.9]
     found = " | ".join(problems(tiny))
-    assert "optim.name='sgd'" in found and "adam, adamw" in found
+    assert "optim.name='sgd'" in found and "choose one of adamw" in found
     assert "optim.lr must be > 0" in found
     assert "optim.betas must be two values" in found
 
@@ -383,6 +392,16 @@ def test_remote_engines_must_not_bind_loopback(dapo: Config) -> None:
     assert_problem(dapo, "engine.host=127.0.0.1 binds loopback only", "set engine.host=0.0.0.0")
 
 
+def test_every_node_on_loopback_is_one_machine(tiny: Config) -> None:
+    """Two nodes with loopback addresses run on this machine: loopback engines and master are fine."""
+    tiny.cluster.nnodes, tiny.cluster.node_addrs = 2, ["127.0.0.1", "127.0.0.1"]
+    tiny.parallel.rollout.nnodes = 1
+    assert tiny.engine.host == "127.0.0.1" and tiny.cluster.master_addr == "127.0.0.1"
+    validate(tiny, check_paths=True)
+    tiny.cluster.node_timeout_s = 0
+    assert_problem(tiny, "cluster.node_timeout_s must be > 0")
+
+
 # --- ports, train, sync, reward --------------------------------------------------------------------
 
 
@@ -417,6 +436,7 @@ def test_each_pipeline_stage_needs_its_own_weight_sync_port(dapo: Config) -> Non
     [
         ("train", "steps", 0, "train.steps must be >= 1"),
         ("train", "checkpoint_every", -1, "train.checkpoint_every must be >= 0"),
+        ("run", "step_timeout_s", -1.0, "run.step_timeout_s must be >= 0 (got -1.0; 0 turns the hang"),
         ("sync", "bucket_bytes", 0, "sync.bucket_bytes must be > 0"),
         (
             "sync",
@@ -508,3 +528,8 @@ def test_eval_rules_name_the_fix(tiny: Config, dapo: Config) -> None:
     assert_problem(tiny, "eval.max_problems must be >= 1")
     dapo.eval.name, dapo.eval.dataset, dapo.eval.holdout = "dapo_math_holdout", dapo.data.path, 600
     assert_problem(dapo, "eval.holdout=600 scores the last 600 rows", "set data.holdout=600")
+
+
+def test_slurm_settings_need_a_slurm_cluster(tiny: Config) -> None:
+    tiny.cluster.partition = "gpu"
+    assert_problem(tiny, "cluster.partition is a Slurm setting", "cluster.kind=local")

@@ -53,3 +53,31 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.005)
+
+
+def tensor_update(tensors: dict, load_format: str | None = None) -> tuple[str, Any]:
+    """One `serialized_named_tensors` entry for `tensors` (as the trainer's TensorTransport builds it) and
+    the buffer it points at, which must stay alive until the engine answered."""
+    import torch
+
+    from dsv4rl.sync.buckets import sort_for_flattening
+    from dsv4rl.sync.tensor_payload import pack_bucket, serialize
+
+    bucket = sort_for_flattening(list(tensors.items()))
+    payload, buffer = pack_bucket(bucket, load_format, torch.device("cpu"))
+    return serialize(payload), buffer
+
+
+def changed_weights(held: dict) -> dict:
+    """Every held tensor with other values (floats + 0.5, integers shifted; FP8/E8M0 bytes flipped)."""
+    import torch
+
+    out = {}
+    for name, tensor in held.items():
+        if tensor.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            out[name] = tensor + 0.5
+        elif tensor.element_size() == 1:
+            out[name] = (tensor.view(torch.uint8) ^ 1).view(tensor.dtype)
+        else:
+            out[name] = (tensor + 1) % max(int(tensor.max()) + 1, 2)
+    return out

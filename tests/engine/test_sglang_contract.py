@@ -71,7 +71,10 @@ def client_requests() -> list[tuple[str, str, dict | None, dict]]:
             weight_version="3",
             load_format="flattened_bucket",
         )
+        await client.update_weights_from_tensor(["cGF5bG9hZA=="], "flattened_bucket", True, "4")
         await client.end_weight_update()
+        await client.release_memory_occupation(["weights", "kv_cache"])
+        await client.resume_memory_occupation(None)
         await client.weights_checker("snapshot", skip_tensor_list=["embed"])
         await client.update_weight_version("3", abort_all_requests=False)
         await client.destroy_weights_update_group("g")
@@ -166,6 +169,8 @@ def test_every_client_request_is_one_sglang_takes() -> None:
     requests = client_requests()
     called = {path for _, path, _, _ in requests}
     assert {"/generate", "/update_weights_from_distributed", "/flush_cache", "/weights_checker"} <= called
+    colocated = {"/update_weights_from_tensor", "/release_memory_occupation", "/resume_memory_occupation"}
+    assert colocated <= called
     assert problems_of_client(CONTRACT) == []
 
 
@@ -191,6 +196,9 @@ def test_reference_engine_routes_auth_sampling_keys_and_flags_agree(make_client)
         (["routes", "/flush_cache", "query", "timeout"], "timeout_s"),
         (["sampling_params", "sampling_seed"], "seed"),
         (["generate_request", "logprob_start_len"], "logprob_start"),
+        (["bodies", "UpdateWeightsFromTensorReqInput", "serialized_named_tensors"], "named_tensors"),
+        (["bodies", "ReleaseMemoryOccupationReqInput", "tags"], "memory_tags"),
+        (["routes", "/resume_memory_occupation"], "/resume_memory"),
     ],
 )
 def test_a_renamed_field_or_route_fails_the_client_check(path: list[str], new_key: str) -> None:

@@ -10,9 +10,7 @@ import pytest
 
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config, RolloutEngineKind
-from dsv4rl.launcher.engine_keys import KEYS_FILE_ENV
 from dsv4rl.launcher.plan import (
-    ENGINE_URLS_ENV,
     SGLANG_SITE,
     WEIGHT_SYNC_TIMEOUT_ENV,
     PortInUse,
@@ -68,7 +66,8 @@ def test_reference_engines_and_fsdp_trainer(nproc):
         "-m", "dsv4rl.train.worker", "--config", "/runs/r1/config.yaml",
     ]  # fmt: skip
     assert trainer.health_url is None
-    assert trainer.env[ENGINE_URLS_ENV] == "http://127.0.0.1:30000,http://127.0.0.1:30001"
+    assert engine_urls(cfg) == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
+    assert not [key for key in trainer.env if key.startswith("DSV4RL_ENGINE")]  # read from the config
 
 
 def test_env_merges_comm_preset_and_splits_cpu_threads(monkeypatch):
@@ -127,6 +126,23 @@ def test_sglang_engines_on_gpus():
     assert "CUDA_VISIBLE_DEVICES" not in by_name(build_local_plan(cfg, RUN, base_env={}))["trainer"].env
 
 
+def test_nodes_on_one_machine_split_its_cores_between_all_of_them(monkeypatch):
+    """Two loopback nodes (a trainer node, an engine node): each process gets the threads it would get in
+    the one-node run, so both runs compute the same numbers."""
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    cfg = Config()
+    one_node = {s.name: s.env["OMP_NUM_THREADS"] for s in build_local_plan(cfg, RUN, base_env={})}
+    assert one_node == {"engine-0": "4", "trainer": "4"}
+    cfg.cluster.nnodes, cfg.cluster.node_addrs, cfg.parallel.rollout.nnodes = 2, ["127.0.0.1"] * 2, 1
+    for node, name in ((0, "trainer"), (1, "engine-0")):
+        cfg.cluster.node_rank = node
+        specs = build_local_plan(cfg, RUN, base_env={})
+        assert [(s.name, s.env["OMP_NUM_THREADS"]) for s in specs] == [(name, one_node[name])]
+    cfg.cluster.node_addrs = ["10.0.0.1", "10.0.0.2"]  # two machines: each node's cores are its own
+    cfg.engine.host = "0.0.0.0"
+    assert build_local_plan(cfg, RUN, base_env={})[0].env["OMP_NUM_THREADS"] == "8"
+
+
 def test_disaggregated_nodes():
     cfg = Config()
     cfg.cluster.nnodes, cfg.cluster.gpus_per_node, cfg.cluster.master_addr = 4, 8, "10.0.0.1"
@@ -139,7 +155,6 @@ def test_disaggregated_nodes():
     assert [s.name for s in node1] == ["trainer"]
     argv = node1[0].argv
     assert argv[argv.index("--node-rank") + 1] == "1" and argv[argv.index("--master-addr") + 1] == "10.0.0.1"
-    assert ENGINE_URLS_ENV not in node1[0].env
     cfg.cluster.node_rank = 3
     node3 = build_local_plan(cfg, RUN, base_env={})
     assert [s.name for s in node3] == ["engine-2", "engine-3"]
@@ -226,7 +241,6 @@ def test_multi_node_engine_urls_use_node_addrs():
     for node in (0, 1):  # every trainer node gets the URLs and waits for every (remote) engine
         cfg.cluster.node_rank = node
         (trainer,) = build_local_plan(cfg, RUN, base_env={})
-        assert trainer.env[ENGINE_URLS_ENV] == ",".join(urls)
         assert remote_engine_health(cfg) == [
             (f"engine-{i}", f"{u}/health_generate") for i, u in enumerate(urls)
         ]
@@ -296,13 +310,12 @@ def test_engines_beyond_loopback_get_the_keys_file(kind):
     cfg = Config()
     cfg.parallel.rollout.engine = kind
     engine, trainer = build_local_plan(cfg, RUN, base_env={})
-    assert "--config" not in engine.argv and KEYS_FILE_ENV not in trainer.env
+    assert "--config" not in engine.argv
     cfg.engine.host = "0.0.0.0"
     engine, trainer = build_local_plan(cfg, RUN, base_env={})
     key_file = str(RUN / "engine-keys.yaml")
     assert engine.argv[engine.argv.index("--config") + 1] == key_file
     assert "secret" not in " ".join(engine.argv) and "--admin-api-key" not in engine.argv
-    assert trainer.env[KEYS_FILE_ENV] == key_file
 
 
 def test_attention_dp_engines_on_one_node_never_share_a_port():
@@ -354,6 +367,7 @@ def test_plan_shows_the_training_layout_of_the_reference_run() -> None:
         "recompute": "full",
         "optimizer_cpu_offload": True,
         "optimizer_offload_fraction": 0.75,
+        "weight_sync_transport": "broadcast",
     }
 
 
@@ -391,3 +405,23 @@ def test_fsdp_sends_everything_from_rank_0() -> None:
     assert [(s.stage, s.rank, s.port, s.group_name) for s in weight_sync_sources(cfg)] == [
         (0, 0, cfg.cluster.weight_sync_port, "weight_update_group")
     ]
+
+
+def test_slurm_header_and_algorithm_come_from_the_recipe():
+    from dsv4rl.config.compose import compose
+    from dsv4rl.launcher.plan_view import cluster_plan
+
+    cfg = compose(
+        "dapo_math", ["cluster.partition=gpu", "cluster.account=proj1", "cluster.time_limit=48:00:00"]
+    )
+    plan = cluster_plan(cfg, [0])
+    assert plan["algorithm"] == "dapo"
+    assert plan["slurm"] == [
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj1",
+        "#SBATCH --time=48:00:00",
+    ]
+    assert cluster_plan(compose("tiny_arith"), [0])["slurm"] is None

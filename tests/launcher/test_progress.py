@@ -69,3 +69,14 @@ def test_live_renderable_and_summary_render():
     text = out.getvalue()
     assert "1/4" in text and "3.0 MB" in text and "rollout" in text and "40%" in text
     assert "final reward" in text and tmp in text
+
+
+def test_async_steps_count_rollout_as_background():
+    """With async rollouts the batch was generated while the step before trained: shown, not summed."""
+    progress = RunProgress(total_steps=4)
+    progress.add(record(1, async_overlap_s=1.5, time_wait_rollout_s=0.5, time_verify_s=0.5))
+    shares = progress.shares()
+    assert shares["rollout (background)"] == 2.0 and shares["reward (background)"] == 0.5
+    # step 5 s = wait 0.5 + train 1 + sync 0.5 + verify 0.5 + other 2.5
+    assert shares["other"] == 2.5
+    assert "rollout (background) 40%" in progress.line(progress.last)

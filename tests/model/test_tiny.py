@@ -116,3 +116,31 @@ def test_materialized_directory_loads_back_identically(tmp_path) -> None:
         18,
     ]
     assert not (tmp_path / "model.partial").exists()
+
+
+def test_a_node_that_builds_second_keeps_the_first_copy(tmp_path, monkeypatch) -> None:
+    """Nodes sharing a run dir build the tiny model at once, each in its own directory: the one that
+    finishes second drops its copy (same seed, same files) instead of failing. Builds interrupted earlier
+    on this host are removed; another host's build in progress is left alone."""
+    import socket
+    import subprocess
+
+    from dsv4rl.model import tiny
+
+    config, target = ModelConfig(), tmp_path / "model"
+    materialize_model(config, str(target))  # the first node
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    interrupted = f"model.partial-{socket.gethostname()}-{finished.pid}"
+    for name in ("model.partial", interrupted, "model.partial-n7-1"):
+        (tmp_path / name).mkdir()
+    real_check, checks = tiny.check_model_dir, []
+
+    def looked_too_early(*args):  # the second node looked before the first node's rename
+        checks.append(args)
+        return False if len(checks) == 1 else real_check(*args)
+
+    monkeypatch.setattr(tiny, "check_model_dir", looked_too_early)
+    assert materialize_model(config, str(target)) == str(target)
+    assert len(checks) == 2  # the rename failed and the first copy was checked
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.partial-n7-1"]

@@ -21,9 +21,9 @@ ENGINES = 2
 
 
 @contextlib.contextmanager
-def running_engines(root: Path, quants: list[QuantMode]) -> Iterator[list[str]]:
+def running_engines(root: Path, quants: list[QuantMode], extra_args: list[str] = ()) -> Iterator[list[str]]:
     """One real reference engine (`python -m dsv4rl.engine`) per entry, each serving the tiny model from
-    ENGINE_SEED as a native checkpoint in that quant mode; yields their URLs."""
+    ENGINE_SEED as a native checkpoint in that quant mode (with `extra_args`); yields their URLs."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DSV4RL_WEIGHT_SYNC_TIMEOUT_S": str(ENGINE_TIMEOUT_S)}
     engines = []
     try:
@@ -34,7 +34,7 @@ def running_engines(root: Path, quants: list[QuantMode]) -> Iterator[list[str]]:
             port, log = free_port(), root / f"engine{index}.log"
             command = [sys.executable, "-m", "dsv4rl.engine", "--model-path", str(model_dir),
                        "--port", str(port), "--num-threads", "1", "--random-seed", "0",
-                       "--log-level", "warning"]  # fmt: skip
+                       "--log-level", "warning", *extra_args]  # fmt: skip
             with open(log, "w") as out:
                 process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
             engines.append((process, f"http://127.0.0.1:{port}", log))
@@ -73,6 +73,16 @@ def quantized_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
     """One engine per quant mode, each started from a checkpoint in that format."""
     modes = list(QuantMode)
     with running_engines(tmp_path_factory.mktemp("quant_engines"), modes) as urls:
+        yield dict(zip(modes, urls, strict=True))
+
+
+@pytest.fixture(scope="module")
+def colocated_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[QuantMode, str]]:
+    """Engines a colocated trainer can release and refill (--enable-memory-saver): quant none and the
+    release format fp8_mxfp4."""
+    modes = [QuantMode.none, QuantMode.fp8_mxfp4]
+    root = tmp_path_factory.mktemp("colocated_engines")
+    with running_engines(root, modes, extra_args=["--enable-memory-saver"]) as urls:
         yield dict(zip(modes, urls, strict=True))
 
 

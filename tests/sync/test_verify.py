@@ -39,10 +39,10 @@ class CorruptingTransport:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def send(self, bucket, weight_version, what):
+    def send(self, bucket, weight_version, what, **options):
         if any(name == TARGET for name, _ in bucket):
             bucket = [(name, _flip(tensor)) for name, tensor in bucket]
-        return self.inner.send(bucket, weight_version, what)
+        return self.inner.send(bucket, weight_version, what, **options)
 
 
 def _flip(tensor: torch.Tensor) -> torch.Tensor:

@@ -134,12 +134,51 @@ def test_push_flattened_buckets_to_two_engines(engine_urls: list[str]) -> None:
         assert_engine_holds(url, model)
 
 
-def test_push_in_one_bucket(engine_url: str) -> None:
+def sync_requests(recorder: RecordingTransport) -> list[str]:
+    """The request paths of the pushes (after the group was joined)."""
+    paths = [path for _, path, _, _ in recorder.requests]
+    return paths[paths.index("/init_weights_update_group") + 1 :]
+
+
+def test_push_in_one_bucket_costs_three_requests(engine_url: str) -> None:
+    """A small model goes as one bucket; without a pause (the synchronous loop) a sync is: open the
+    session, the bucket (which sets the version and flushes the cache), close the session."""
     model = trainer_model(TRAINER_SEED + 2)
-    with make_sync(engine_url, bucket_bytes=1 << 30) as sync:
+    recorder = RecordingTransport()
+    with make_sync(engine_url, bucket_bytes=1 << 30, transport=recorder, pause=False) as sync:
         stats = sync.push(model.state_dict().items(), "v3-one")
     assert stats.buckets == 1 and stats.tensors == len(wire_tensors(model))
+    assert sync_requests(recorder)[:3] == [
+        "/begin_weight_update",
+        "/update_weights_from_distributed",
+        "/end_weight_update",
+    ]
+    bucket = next(
+        body for _, path, body, _ in recorder.requests if path == "/update_weights_from_distributed"
+    )
+    assert bucket["weight_version"] == "v3-one" and bucket["flush_cache"] is True
+    assert version_of(engine_url) == "v3-one"
     assert_engine_holds(engine_url, model)
+
+
+def test_paused_push_sends_version_and_flush_on_the_last_bucket_only(engine_url: str) -> None:
+    model = trainer_model(TRAINER_SEED + 5)
+    recorder = RecordingTransport()
+    with make_sync(engine_url, bucket_bytes=64 * 1024, transport=recorder) as sync:
+        stats = sync.push(model.state_dict().items(), "v5-paused")
+    paths = sync_requests(recorder)[: stats.buckets + 4]
+    assert paths == [
+        "/pause_generation",
+        "/begin_weight_update",
+        *["/update_weights_from_distributed"] * stats.buckets,
+        "/end_weight_update",
+        "/continue_generation",
+    ]
+    buckets = [body for _, path, body, _ in recorder.requests if path == "/update_weights_from_distributed"]
+    assert [(b.get("weight_version"), b["flush_cache"]) for b in buckets] == [(None, False)] * (
+        stats.buckets - 1
+    ) + [("v5-paused", True)]
+    assert version_of(engine_url) == "v5-paused"
 
 
 def test_refused_bucket_fails_fast_then_reconnect_works(engine_url: str) -> None:

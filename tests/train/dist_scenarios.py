@@ -115,6 +115,21 @@ def main() -> None:
     res["full_weights"] = synced(engine)
     del engine
 
+    # 3b. one update per rollout batch: the old log-probs from the training forward, or from the separate
+    # old-policy forward (today's path before the shortcut): the same weights and metrics
+    on_policy = config(algo__kl_coef=0.1, algo__entropy_coef=0.01, optim__eps=1e-4)
+    on_policy.algo.tis.enabled = True
+    on_policy.algo.mis.enabled = True
+    on_policy.algo.mis.low, on_policy.algo.mis.high = 0.15, 10.0
+    for reuse in (True, False):
+        engine = FSDPTrainEngine(on_policy, str(model_dir))
+        engine.reuse_policy_forward = reuse
+        forwards = []
+        engine.model.register_forward_pre_hook(lambda *_, seen=forwards: seen.append(1))
+        metrics = [engine.train_step(make_batch(8, seed=30 + i).shard(rank, world)) for i in range(3)]
+        res[f"on_policy_{reuse}"] = (synced(engine), metrics, len(forwards))
+        del engine
+
     # 4. checkpoint: train 2, save, train 2 -> W; load into a fresh engine, train the same 2 -> W
     ck = config(optim__warmup_steps=4, train__keep_checkpoints=2)
     root = out / "ckpt"

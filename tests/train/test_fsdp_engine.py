@@ -116,6 +116,22 @@ def test_world2_update_equals_world1(results):
     assert first["logprob_abs_diff"] > 0 and first["entropy"] > 0 and second["kl"] > 0
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_one_update_per_batch_reuses_the_training_forward(results, world):
+    """With algo.updates_per_step=1 the old log-probs come from the training forward itself: after 3
+    steps (KL, entropy, TIS, MIS on) the weights and metrics equal those of the separate old-policy pass."""
+    (reused, reused_metrics, reused_forwards), (separate, separate_metrics, separate_forwards) = (
+        results[world]["on_policy_True"],
+        results[world]["on_policy_False"],
+    )
+    assert separate_forwards == 2 * reused_forwards > 0  # one policy forward per micro-batch, not two
+    assert max((reused[k].double() - separate[k].double()).abs().max().item() for k in reused) < 1e-6
+    for a, b in zip(reused_metrics, separate_metrics, strict=True):
+        for key in ("loss", "grad_norm", "kl", "entropy", "logprob_abs_diff", "mis_masked_fraction"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    assert 0.0 < reused_metrics[0]["mis_masked_fraction"] < 1.0 and reused_metrics[0]["logprob_abs_diff"] > 0
+
+
 def test_named_weights_for_sync_full_tensors_on_rank0(results):
     r1, r2 = results[1], results[2]
     assert r2["yield_counts"][1] == 0 and r2["yield_counts"][0] == len(r2["initial_weights"])

@@ -114,6 +114,18 @@ def micro_batch_loss(
 # A train step's sums over response tokens, one float64 vector an engine all-reduces over ranks; the
 # engine adds the loss terms per micro-batch, `step_sums` gives the batch-derived ones.
 LOSS, ENTROPY, KL, CLIPPED, ABS_DIFF, TOKENS, TIS_CLIPPED, MIS_MASKED = range(8)
+NUM_STEP_SUMS = 8
+
+
+def reuses_policy_forward(updates_per_step: int, old_logprobs_given: bool) -> bool:
+    """Whether a train step can take the old-policy log-probs from its own training forward.
+
+    With one optimizer step per rollout batch the old policy is the current one: a separate no-grad
+    forward would compute exactly the log-probs the training forward computes (ratio 1), so the training
+    forward's detached log-probs serve as the old ones, and TIS/MIS and the train-vs-rollout sums are
+    taken per micro-batch from them. With several updates the first one changes the weights, so the old
+    log-probs must come from a forward before it."""
+    return updates_per_step == 1 and not old_logprobs_given
 
 
 def rollout_corrections(
@@ -137,7 +149,7 @@ def step_sums(
     with_reference: bool,
 ) -> Tensor:
     """The batch-derived sums of a step; without a reference model KL is k3 against the rollout."""
-    sums = torch.zeros(8, dtype=torch.float64, device=loss_mask.device)
+    sums = torch.zeros(NUM_STEP_SUMS, dtype=torch.float64, device=loss_mask.device)
     sums[ABS_DIFF] = ((old_logprobs - rollout_logprobs).abs() * loss_mask).sum()
     sums[TOKENS] = loss_mask.sum()
     sums[TIS_CLIPPED] = corrections["tis_clipped"]

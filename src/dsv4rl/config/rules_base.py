@@ -27,6 +27,15 @@ def num_layers(cfg: Config) -> int:
     return m.num_hidden_layers if m.num_hidden_layers is not None else m.tiny.num_hidden_layers
 
 
+def stage_layers(cfg: Config) -> list[int]:
+    """Decoder layers per pipeline stage: `last_stage_layers` on the last, the rest split evenly."""
+    t, layers = cfg.parallel.train, num_layers(cfg)
+    if t.pipeline_parallel == 1:
+        return [layers]
+    last = t.last_stage_layers if t.last_stage_layers is not None else layers // t.pipeline_parallel
+    return [(layers - last) // (t.pipeline_parallel - 1)] * (t.pipeline_parallel - 1) + [last]
+
+
 def num_routed_experts(cfg: Config) -> int:
     m = cfg.model
     return m.n_routed_experts if m.n_routed_experts is not None else m.tiny.n_routed_experts

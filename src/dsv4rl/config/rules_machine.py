@@ -12,6 +12,7 @@ from pathlib import Path
 from dsv4rl.config.rules_base import Add
 from dsv4rl.config.rules_parallel import check_megatron_heads
 from dsv4rl.config.schema import Config
+from dsv4rl.topology import engine_nodes
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 NODE_ADDRS_FIX = (
@@ -21,15 +22,21 @@ NODE_ADDRS_FIX = (
 
 
 def _engine_nodes_text(cfg: Config) -> str:
-    r, t, c = cfg.parallel.rollout, cfg.parallel.train, cfg.cluster
-    if r.nnodes > 0 and not cfg.parallel.colocate:
-        return f"nodes {t.nnodes}..{t.nnodes + r.nnodes - 1}"
-    return f"nodes 0..{c.nnodes - 1}"
+    nodes = engine_nodes(cfg)
+    return f"nodes {nodes.start}..{nodes.stop - 1}"
+
+
+def on_one_machine(cfg: Config) -> bool:
+    """Several nodes whose addresses are all loopback: every node runs on this machine (a test of a
+    multi-node layout), so loopback engines and rendezvous reach every node."""
+    c = cfg.cluster
+    return c.nnodes > 1 and len(c.node_addrs) == c.nnodes and all(a in LOOPBACK for a in c.node_addrs)
 
 
 def check_cluster_addresses(cfg: Config, add: Add) -> None:
     """Multi-node: engine URLs are `http://<cluster.node_addrs[node]>:<port>`, so engines must bind a
-    non-loopback address and node_addrs (when given; required by the path checks) must name every node."""
+    non-loopback address (unless every node is this machine) and node_addrs (when given; required by the
+    path checks) must name every node."""
     c = cfg.cluster
     if c.node_addrs and len(c.node_addrs) != c.nnodes:
         add(
@@ -38,7 +45,9 @@ def check_cluster_addresses(cfg: Config, add: Add) -> None:
         )
     if any(not a.strip() for a in c.node_addrs):
         add(f"cluster.node_addrs has an empty entry ({list(c.node_addrs)}); {NODE_ADDRS_FIX}")
-    if c.nnodes > 1 and cfg.engine.host in LOOPBACK:
+    if c.node_timeout_s <= 0:
+        add(f"cluster.node_timeout_s must be > 0 seconds (got {c.node_timeout_s:g}), e.g. 60")
+    if c.nnodes > 1 and cfg.engine.host in LOOPBACK and not on_one_machine(cfg):
         add(
             f"engine.host={cfg.engine.host} binds loopback only, but with cluster.nnodes={c.nnodes} trainer "
             f"rank 0 on node 0 reaches the engines on {_engine_nodes_text(cfg)} through "
@@ -95,7 +104,7 @@ def check_paths(cfg: Config, add: Add) -> None:
             "data.path=<file> (dsv4rl eval) or eval.dataset=<file>, set DSV4RL_DATA_DIR, or use eval=none"
         )
     c = cfg.cluster
-    if c.nnodes > 1 and c.master_addr in LOOPBACK:
+    if c.nnodes > 1 and c.master_addr in LOOPBACK and not on_one_machine(cfg):
         add(
             f"cluster.master_addr={c.master_addr} is a loopback address but cluster.nnodes={c.nnodes}: "
             "set cluster.master_addr=<node 0 host> (or export MASTER_ADDR)"
@@ -106,8 +115,9 @@ def check_paths(cfg: Config, add: Add) -> None:
             f"the engines on {_engine_nodes_text(cfg)} at their node's address; {NODE_ADDRS_FIX}"
         )
     loopback = [a for a in c.node_addrs if a in LOOPBACK]
-    if c.nnodes > 1 and loopback:
+    if c.nnodes > 1 and loopback and not on_one_machine(cfg):
         add(
             f"cluster.node_addrs has loopback address(es) {loopback} but cluster.nnodes={c.nnodes}: other "
-            "nodes cannot reach them; give each node's hostname or IP"
+            "nodes cannot reach them; give each node's hostname or IP (only when every address is loopback "
+            "do all nodes run on this machine)"
         )

@@ -6,8 +6,9 @@ Kept apart from the run settings because these are the rules a cluster recipe mo
 from __future__ import annotations
 
 from dsv4rl.config.rules_base import Add, num_layers, num_routed_experts
-from dsv4rl.config.schema import CommBackend, Config, RolloutEngineKind, TrainBackend
+from dsv4rl.config.schema import ClusterKind, CommBackend, Config, RolloutEngineKind, TrainBackend
 from dsv4rl.sync.sources import pipeline_stages
+from dsv4rl.topology import engine_port, engine_port_layout
 
 
 def _positive(add: Add, **values: float) -> bool:
@@ -152,6 +153,13 @@ def check_nodes_and_rollout(cfg: Config, add: Add) -> None:
         add(f"cluster.node_rank={c.node_rank} must be in 0..{c.nnodes - 1} (cluster.nnodes={c.nnodes})")
     if c.gpus_per_node < 0:
         add(f"cluster.gpus_per_node must be >= 0 (got {c.gpus_per_node})")
+    slurm_only = {"partition": c.partition, "account": c.account, "time_limit": c.time_limit}
+    set_keys = [key for key, value in slurm_only.items() if value]
+    for key in set_keys if c.kind != ClusterKind.slurm else []:
+        add(
+            f"cluster.{key} is a Slurm setting (`dsv4rl plan` prints it as an #SBATCH line) but "
+            f"cluster.kind={c.kind.value}: use cluster=slurm_4node or cluster.kind=slurm, or drop it"
+        )
     if r.nnodes < 0:
         add(f"parallel.rollout.nnodes must be >= 0 (got {r.nnodes})")
     elif r.nnodes > 0:
@@ -166,6 +174,13 @@ def check_nodes_and_rollout(cfg: Config, add: Add) -> None:
         add(
             f"parallel.train.nnodes ({t.nnodes}) must equal cluster.nnodes ({c.nnodes}) when rollout shares "
             "the training nodes (parallel.rollout.nnodes=0)"
+        )
+    if cfg.parallel.colocate and c.nnodes > 1:
+        add(
+            f"parallel.colocate=true with cluster.nnodes={c.nnodes}: colocated weights travel as tensor "
+            "handles (shared memory, CUDA IPC) that only engines on the sender's node can open, and every "
+            "stage sends from its first rank; colocate on one node, or set parallel.colocate=false "
+            "(weights by broadcast)"
         )
     if not _positive(
         add,
@@ -223,20 +238,6 @@ def check_nodes_and_rollout(cfg: Config, add: Add) -> None:
         add(f"parallel.rollout.watchdog_timeout_s must be > 0 (got {r.watchdog_timeout_s})")
 
 
-# SGLang with attention DP opens port + 233 .. port + 240 (ZMQ_TCP_PORT_DELTA in its server_args.py): a
-# node's engines then sit 10 ports apart so no engine's range meets another's port.
-ATTN_DP_PORT_OFFSETS = range(233, 241)
-ATTN_DP_ENGINE_STRIDE = 10
-
-
-def engine_port_layout(cfg: Config) -> tuple[int, range]:
-    """(ports between a node's engines, extra ports each engine opens above its own)."""
-    ro = cfg.parallel.rollout
-    if ro.engine == "sglang" and ro.data_parallel > 1:
-        return ATTN_DP_ENGINE_STRIDE, ATTN_DP_PORT_OFFSETS
-    return 1, range(0)
-
-
 def check_ports(cfg: Config, add: Add) -> None:
     c, eng = cfg.cluster, cfg.engine
     engines = max(1, cfg.parallel.rollout.num_engines)
@@ -258,8 +259,8 @@ def check_ports(cfg: Config, add: Add) -> None:
     )
     if max(sync_ports) > 65535:
         add(f"{sync_text}: the weight-sync ports run past 65535")
-    stride, extra = engine_port_layout(cfg)
-    engine_ports = {eng.port + i * stride + e for i in range(engines) for e in (0, *extra)}
+    stride, extra = engine_port_layout(cfg)  # every engine as if on one node: the strictest case
+    engine_ports = {engine_port(cfg, local) + e for local in range(engines) for e in (0, *extra)}
     if max(engine_ports) > 65535:
         add(f"engine.port={eng.port}: the ports of {engines} engines run past 65535 ({max(engine_ports)})")
     if c.master_port in sync_ports:

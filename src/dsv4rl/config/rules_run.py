@@ -8,11 +8,21 @@ from __future__ import annotations
 import math
 
 from dsv4rl.config.rules_base import Add, data_parallel_size
-from dsv4rl.config.schema import LAYER_TYPES, MLP_TYPES, Config, RolloutEngineKind, SamplingConfig
+from dsv4rl.config.schema import (
+    LAYER_TYPES,
+    MLP_TYPES,
+    Config,
+    GraderName,
+    LRSchedule,
+    OptimizerName,
+    PauseMode,
+    RolloutEngineKind,
+    SamplingConfig,
+)
 
-GRADERS = ("arith", "dapo", "answer_line", "boxed", "math_verify")
-PAUSE_MODES = ("abort", "retract", "in_place")
-OPTIMIZERS = ("adam", "adamw")
+GRADERS = tuple(GraderName)
+PAUSE_MODES = tuple(PauseMode)
+OPTIMIZERS = tuple(OptimizerName)
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -38,6 +48,16 @@ def check_algo(cfg: Config, add: Add) -> None:
         add(f"algo.prompts_per_step must be >= 1 (got {a.prompts_per_step})")
     if a.updates_per_step < 1:
         add(f"algo.updates_per_step must be >= 1 (got {a.updates_per_step})")
+    if a.async_rollout and not (a.tis.enabled or a.mis.enabled):
+        add(
+            "algo.async_rollout=true trains on samples one weight version old: turn on the correction for "
+            "it, algo.tis.enabled=true (or algo.mis.enabled=true)"
+        )
+    if a.async_rollout and cfg.parallel.colocate:
+        add(
+            "algo.async_rollout=true needs the engines generating while the trainer trains, but "
+            "parallel.colocate=true gives the devices to one at a time: turn one of them off"
+        )
     if not 0.0 < a.eps_clip_low < 1.0:
         add(f"algo.eps_clip_low must be in (0, 1) (got {a.eps_clip_low}); the ratio is clipped at 1 - eps")
     if a.eps_clip_high <= 0.0:
@@ -83,7 +103,7 @@ def check_algo(cfg: Config, add: Add) -> None:
             )
 
 
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = tuple(LRSchedule)
 
 
 def check_optim(cfg: Config, add: Add) -> None:
@@ -108,11 +128,13 @@ def check_optim(cfg: Config, add: Add) -> None:
         add(f"optim.min_lr_ratio must be in [0, 1] (got {o.min_lr_ratio})")
 
 
-def _longest_sequence(cfg: Config) -> int:
-    new_tokens = cfg.algo.sampling.max_new_tokens
-    if cfg.eval.name != "none":
-        new_tokens = max(new_tokens, cfg.eval.sampling.max_new_tokens)
-    return cfg.data.max_prompt_len + new_tokens
+def _longest_sequence(cfg: Config) -> tuple[int, str]:
+    """The longest sequence the model sees, and the key of its response cap (training's or the eval's)."""
+    new_tokens, key = cfg.algo.sampling.max_new_tokens, "algo.sampling.max_new_tokens"
+    if cfg.eval.name != "none" and cfg.eval.sampling.max_new_tokens > new_tokens:
+        new_tokens = cfg.eval.sampling.max_new_tokens
+        key = f"eval.sampling.max_new_tokens (eval={cfg.eval.name})"
+    return cfg.data.max_prompt_len + new_tokens, key
 
 
 def check_model(cfg: Config, add: Add) -> None:
@@ -138,11 +160,12 @@ def check_model(cfg: Config, add: Add) -> None:
                 f"model.tiny.num_experts_per_tok={tiny.num_experts_per_tok} must be in 1..n_routed_experts="
                 f"{tiny.n_routed_experts}"
             )
-        longest = _longest_sequence(cfg)
+        longest, cap = _longest_sequence(cfg)
         if tiny.max_position_embeddings < longest:
             add(
                 f"model.tiny.max_position_embeddings={tiny.max_position_embeddings} is below the longest "
-                f"sequence ({longest} = data.max_prompt_len + max_new_tokens)"
+                f"sequence ({longest} = data.max_prompt_len {cfg.data.max_prompt_len} (data={cfg.data.name}) "
+                f"+ {cap} {longest - cfg.data.max_prompt_len}): shorten them or raise max_position_embeddings"
             )
         uses_csa = "compressed_sparse_attention" in tiny.layer_types
         if (
@@ -262,6 +285,8 @@ def check_run(cfg: Config, add: Add) -> None:
         add("engine.python is empty: give SGLang's interpreter, or null for this one")
     if not cfg.run.dir:
         add("run.dir must not be empty")
+    if cfg.run.step_timeout_s < 0:
+        add(f"run.step_timeout_s must be >= 0 (got {cfg.run.step_timeout_s}; 0 turns the hang watchdog off)")
     a = cfg.align
     if a.prompts < 1 or a.samples_per_prompt < 1 or a.worst_tokens < 0:
         add(

@@ -22,6 +22,21 @@ class RolloutEngineKind(StrEnum):
     sglang = "sglang"
 
 
+class SyncTransport(StrEnum):
+    """How a weight sync's buckets reach the engines (chosen by `parallel.colocate`)."""
+
+    broadcast = "broadcast"  # /update_weights_from_distributed: a broadcast over the weight-update group
+    tensor = "tensor"  # /update_weights_from_tensor: handles to shared memory (CUDA IPC on GPUs), colocated
+
+
+class MemoryTag(StrEnum):
+    """What an engine gives back in /release_memory_occupation (SGLang 0.5.23's `srt/constants.py`)."""
+
+    kv_cache = "kv_cache"
+    weights = "weights"
+    cuda_graph = "cuda_graph"
+
+
 class CommBackend(StrEnum):
     gloo = "gloo"
     nccl = "nccl"  # RCCL on ROCm builds of torch
@@ -71,9 +86,53 @@ class KLEstimator(StrEnum):
     k3 = "k3"  # low-variance estimator
 
 
+class AlgorithmName(StrEnum):
+    """The recipe's algorithm family (its `algo` group); the loss reads the individual keys it sets."""
+
+    grpo = "grpo"
+    dapo = "dapo"
+
+
+class OptimizerName(StrEnum):
+    adamw = "adamw"  # Adam with decoupled weight decay (megatron-core's "adam" optimizer is this too)
+
+
+class LRSchedule(StrEnum):
+    constant = "constant"
+    cosine = "cosine"  # after warmup, decay to lr * min_lr_ratio at the last optimizer step
+
+
+class PauseMode(StrEnum):
+    """How SGLang's /pause_generation treats in-flight requests while weights change."""
+
+    abort = "abort"
+    retract = "retract"  # back to the queue, re-prefilled with the new weights
+    in_place = "in_place"  # kept with their (stale) KV cache
+
+
+class GraderName(StrEnum):
+    arith = "arith"
+    dapo = "dapo"  # "Answer: X" on the last line, DAPO's rule
+    answer_line = "answer_line"
+    boxed = "boxed"
+    math_verify = "math_verify"
+
+
 class ClusterKind(StrEnum):
     local = "local"
     slurm = "slurm"
+
+
+class DeviceKind(StrEnum):
+    """The accelerator of every node; `dsv4rl plan` sizes memory and step time against its data sheet
+    (`dsv4rl.estimate.devices`). cpu: nothing is estimated."""
+
+    cpu = "cpu"
+    mi355x = "mi355x"
+    mi300x = "mi300x"
+    mi325x = "mi325x"
+    h100 = "h100"
+    h200 = "h200"
 
 
 # The layer kinds transformers' DeepseekV4Config accepts (recipes name them in model.tiny).
@@ -132,6 +191,15 @@ class ModelConfig:
     active_params_b: float | None = None
     num_hidden_layers: int | None = None
     n_routed_experts: int | None = None
+    # The shapes the memory plan needs (names as in the model's config.json; dsv4rl.estimate.params).
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    num_attention_heads: int | None = None
+    head_dim: int | None = None
+    moe_intermediate_size: int | None = None
+    num_experts_per_tok: int | None = None
+    n_shared_experts: int | None = None
+    hc_mult: int | None = None  # mHC residual streams
 
 
 @dataclass
@@ -240,7 +308,7 @@ class SamplingConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = "grpo"
+    name: AlgorithmName = AlgorithmName.grpo
     prompts_per_step: int = 16
     group_size: int = 8  # responses per prompt
     normalize_std: bool = True  # false: Dr.GRPO (no division by the group std)
@@ -251,6 +319,8 @@ class AlgoConfig:
     kl_estimator: KLEstimator = KLEstimator.k3
     entropy_coef: float = 0.0
     updates_per_step: int = 1  # optimizer steps (mini-batches) per rollout batch
+    # One step off-policy: step k+1's rollout runs on the engines while the trainer trains on step k's batch.
+    async_rollout: bool = False
     tis: TISConfig = field(default_factory=TISConfig)
     mis: MISConfig = field(default_factory=MISConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
@@ -260,15 +330,14 @@ class AlgoConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: OptimizerName = OptimizerName.adamw
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     grad_clip: float = 1.0
     warmup_steps: int = 0
-    # After warmup: "constant", or "cosine" decay to lr * min_lr_ratio at the last optimizer step.
-    lr_schedule: str = "constant"
+    lr_schedule: LRSchedule = LRSchedule.constant
     min_lr_ratio: float = 0.1
 
 
@@ -295,7 +364,7 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    grader: str = "arith"  # arith | dapo | boxed | math_verify
+    grader: GraderName = GraderName.arith
     timeout_s: float = 5.0
     correct: float = 1.0
     incorrect: float = 0.0
@@ -308,7 +377,7 @@ class EvalConfig:
     name: str = "none"  # none | tiny_arith | aime24 | math500 | gsm8k | dapo_math_holdout
     # A .jsonl/.parquet file, or "hf:<owner>/<name>" for the Hugging Face hub (needs `datasets` and a network)
     dataset: str | None = None
-    grader: str = "math_verify"
+    grader: GraderName = GraderName.math_verify
     samples_per_problem: int = 8
     k: list[int] = field(default_factory=lambda: [1, 8])  # the pass@k written to metrics.jsonl in training
     every_steps: int = 0  # 0: no periodic evaluation
@@ -346,7 +415,7 @@ class SyncVerifyConfig:
 class SyncConfig:
     bucket_bytes: int = 1 << 30
     group_name: str = "weight_update_group"
-    pause_mode: str = "retract"  # abort | retract | in_place
+    pause_mode: PauseMode = PauseMode.retract
     # The weight-update group's timeout on both ends: the trainer's, and the engines' (the planner passes it
     # to SGLang, whose own default is 30 min).
     timeout_s: float = 600.0
@@ -355,7 +424,7 @@ class SyncConfig:
 
 @dataclass
 class EngineConfig:
-    # Anything but loopback: the engines get per-run api and admin keys (dsv4rl.launcher.engine_keys).
+    # Anything but loopback: the engines get per-run api and admin keys (dsv4rl.rollout.engine_keys).
     host: str = "127.0.0.1"
     # Engine i of a node listens on port + i (port + 10 * i with attention DP, whose engines also open
     # port + 233 .. port + 240).
@@ -387,9 +456,17 @@ class ClusterConfig:
     node_addrs: list[str] = field(default_factory=list)
     master_port: int = 29500
     weight_sync_port: int = 29600
+    # Multi-node: a node not heard from this long (its supervisor's heartbeat in <run.dir>/nodes/) stops the
+    # nodes that depend on it (dsv4rl.launcher.node_liveness).
+    node_timeout_s: float = 60.0
     partition: str | None = None
     account: str | None = None
     time_limit: str | None = None
+    # Every node's accelerator: memory, peak FLOPs and links for `dsv4rl plan`'s estimates (cpu: none).
+    device: DeviceKind = DeviceKind.cpu
+    # Scale-out bandwidth per GPU between nodes, GB/s (the weight sync's wire when engines live on other
+    # nodes). null: the NIC of the device's reference platform (dsv4rl.estimate.devices).
+    network_gb_per_s: float | None = None
 
 
 @dataclass
@@ -403,10 +480,29 @@ class AlignConfig:
 
 
 @dataclass
+class EstimateConfig:
+    """The assumptions of `dsv4rl plan`'s step-time estimate, printed next to it (estimate/step_time.py)."""
+
+    # Generated tokens per second of one rollout engine, all its concurrent requests together.
+    engine_tokens_per_s: float = 2000.0
+    # Fraction of the training GPUs' peak dense BF16 FLOP/s the trainer reaches on the counted FLOPs
+    # (recompute and the old-policy forward included).
+    mfu: float = 0.2
+    # Mean response length as a fraction of algo.sampling.max_new_tokens.
+    response_len_fraction: float = 0.5
+    # Mean prompt length in tokens (trained on, not generated).
+    mean_prompt_tokens: float = 0.0
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/default"
-    name: str | None = None
     progress: bool = True  # live rich display in the supervisor
+    # The hang watchdog: a trainer phase (rollout, train, sync, ...) without progress for this long makes
+    # every process dump its Python stacks (logs/stacks-<process>.txt), then the run stops. 0: off.
+    step_timeout_s: float = 1800.0
+    # Start even when the memory plan (`dsv4rl plan`) says a GPU needs more than the device has.
+    force_memory_plan: bool = False
 
 
 @dataclass
@@ -427,5 +523,6 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     align: AlignConfig = field(default_factory=AlignConfig)
+    estimate: EstimateConfig = field(default_factory=EstimateConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -5,8 +5,9 @@ are individually well-typed but impossible together (a parallel layout that does
 a batch that does not split across data-parallel ranks, a backend without GPUs). Every problem is
 reported at once, each naming the key, the value and the fix. The rules live by concern in
 `rules_parallel` (layouts, cluster, ports), `rules_run` (algorithm, model, data, sync, engine) and
-`rules_quant` (quant modes against the engines and checkpoints) and `rules_machine` (paths, addresses,
-what is built); this module runs them and keeps the public names.
+`rules_quant` (quant modes against the engines and checkpoints), `rules_machine` (paths, addresses,
+what is built) and `rules_estimate` (the memory plan against the device); this module runs them and keeps
+the public names.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dsv4rl.config import rules_machine
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.rules_base import Add, data_parallel_size, num_layers, num_routed_experts
+from dsv4rl.config.rules_estimate import check_estimate, check_memory_budget
 from dsv4rl.config.rules_parallel import check_comm, check_nodes_and_rollout, check_ports, check_train_layout
 from dsv4rl.config.rules_quant import check_checkpoint_format, check_quant
 from dsv4rl.config.rules_run import (
@@ -56,6 +58,7 @@ _CHECKS: list[Callable[[Config, Add], None]] = [
     check_run,
     check_quant,
     check_ports,
+    check_estimate,
 ]
 
 
@@ -69,6 +72,8 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     problems: list[str] = []
     for check in _CHECKS:
         check(cfg, problems.append)
+    if not problems:  # the memory plan needs a layout that divides
+        check_memory_budget(cfg, problems.append)
     if check_paths:
         rules_machine.check_paths(cfg, problems.append)
         check_checkpoint_format(cfg, problems.append)

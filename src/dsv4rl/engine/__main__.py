@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="honour sampling_seed (SGLang's meaning: without it the seed is ignored)",
     )
     parser.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="let /release_memory_occupation free the weights and KV (refused without it)",
+    )
+    parser.add_argument(
         "--config", default=None, help="YAML file of flags (keys as dest names), as in SGLang"
     )
     return parser
@@ -97,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from dsv4rl.engine.server import main
+    from dsv4rl.faults.child import child_process
 
-    main()
+    with child_process("engine"):
+        from dsv4rl.engine.server import main
+
+        main()

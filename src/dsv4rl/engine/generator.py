@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from dsv4rl.engine.sampling import SamplingParams, edit_logits, mix_seed, sample
+from dsv4rl.faults import heartbeat
 
 log = logging.getLogger("dsv4rl.engine")
 
@@ -108,6 +109,9 @@ class Generator:
         self._counter = 0
         self._stop = False
         self.steps = 0  # forward passes run; health checks watch it move
+        # Why no request may run now (the engine's memory is released), or None: submit refuses, queued
+        # requests wait (`wake()` once it changes).
+        self.admission: Callable[[], str | None] = lambda: None
         self._thread = threading.Thread(target=self._loop, name="dsv4rl-generator", daemon=True)
         self._thread.start()
 
@@ -116,6 +120,9 @@ class Generator:
     def submit(self, requests: list[GenRequest]) -> None:
         """Queue requests (held while paused or while a weight update waits); rids must be new."""
         with self._cond:
+            refused = self.admission()
+            if refused:
+                raise ValueError(refused)
             fresh: set[str] = set()
             for request in requests:
                 if request.rid in self._rids or request.rid in fresh:
@@ -210,6 +217,31 @@ class Generator:
                 self._release_held()
                 self._cond.notify_all()
 
+    @contextmanager
+    def idle_exclusive(self) -> Iterator[bool]:
+        """Yields whether the generator is idle by SGLang's rule (no running batch; queued requests count
+        only when not paused); when it is, no batch starts and no forward runs until the block ends."""
+        with self._cond:
+            idle = not self._running and (self._paused or not self._waiting)
+            if idle:
+                self._writers += 1  # new requests are held, as during a weight update
+        if not idle:
+            yield False
+            return
+        try:
+            with self._model_lock:
+                yield True
+        finally:
+            with self._cond:
+                self._writers -= 1
+                self._release_held()
+                self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Re-check `admission` for queued requests."""
+        with self._cond:
+            self._cond.notify_all()
+
     def close(self) -> None:
         with self._cond:
             self._stop = True
@@ -266,12 +298,17 @@ class Generator:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stop or (self._waiting and not self._paused))
+                self._cond.wait_for(
+                    lambda: self._stop or (self._waiting and not self._paused and not self.admission())
+                )
                 if self._stop:
                     return
                 batch = self._take_batch()
+            # The hang watchdog sees a batch in progress; health checks and warmup are no generate batch.
+            work = "generate" if any(not r.internal for r in batch) else "health_check"
             try:
-                self._run_batch(batch)
+                with heartbeat.busy(work):
+                    self._run_batch(batch)
             except Exception as error:  # a crash must not strand the callers: end their requests
                 log.exception("generation failed")
                 with self._cond:

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from dsv4rl.engine.generator import Generator, GenRequest
 from dsv4rl.engine.http_util import AbortBody, BadRequest, PauseBody, check_auth, read_body
+from dsv4rl.engine.memory import EngineMemory
 from dsv4rl.engine.protocol import ContractError, RangeError, build_response, parse_generate
 from dsv4rl.engine.sampling import SamplingParams
 from dsv4rl.engine.weight_store import DeepseekWeights
@@ -69,6 +70,7 @@ class ServerArgs:
     context_length: int | None = None
     load_format: str = "auto"
     enable_deterministic_inference: bool = False  # sampling_seed is honoured only with it, as in SGLang
+    enable_memory_saver: bool = False  # release_memory_occupation frees memory only with it, as in SGLang
 
 
 class Engine:
@@ -99,6 +101,8 @@ class Engine:
             decode_text=self.decode if self.tokenizer is not None else None,
             deterministic=args.enable_deterministic_inference,
         )
+        self.memory = EngineMemory(self.weights, self.generator, memory_saver=args.enable_memory_saver)
+        self.generator.admission = self.memory.refusal  # nothing runs on released memory
         self.status = "Starting"
         self.shutting_down = False
         self.session_open = False
@@ -193,6 +197,7 @@ class Engine:
                     "num_running_reqs": counts["running"],
                     "num_waiting_reqs": counts["waiting"] + counts["held"],
                     "paused": self.generator.paused,
+                    "memory_occupation": self.memory.occupation(),  # dsv4rl's: what is held, what released
                     "last_gen_throughput": 0.0,
                 }
             ],
@@ -262,6 +267,8 @@ def create_app(model_path: str, *, receiver: Any = None, **kwargs: Any) -> FastA
             return Response(status_code=503)
         if os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1") == "0":
             return Response(status_code=200)
+        if engine.memory.refusal():  # released memory: no generate can run (SGLang's would crash)
+            return Response(status_code=503)
         return Response(status_code=200 if await engine.health_generate() else 503)
 
     @app.get("/ready")
@@ -361,13 +368,10 @@ def create_app(model_path: str, *, receiver: Any = None, **kwargs: Any) -> FastA
             "(When there are running or waiting requests, the operation will not be performed.)\n"
         )
 
-    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
-    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-    async def memory_occupation() -> Response:
-        return JSONResponse(None)
-
+    from dsv4rl.engine.memory_routes import add_memory_routes
     from dsv4rl.engine.weight_routes import add_weight_routes
 
+    add_memory_routes(app, engine)
     add_weight_routes(app, engine)
     return app
 

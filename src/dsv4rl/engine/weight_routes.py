@@ -17,6 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from dsv4rl.engine.http_util import Body, read_body
+from dsv4rl.engine.tensor_update import RELEASED, SUCCESS, receive_tensors
+from dsv4rl.faults import heartbeat
 from dsv4rl.sync.buckets import dtype_name
 from dsv4rl.sync.checksum import checksums, engine_checksum, overall_checksum
 
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dsv4rl.engine")
 
-OUTSIDE_SESSION = "{endpoint} must run between begin_weight_update() and end_weight_update()."
+OUTSIDE_SESSION = "{endpoint} must run between begin_weight_update() and end_weight_update()"  # SGLang's text
 NOT_FLUSHED = (
     "Weights were updated, but the cache was not flushed because requests are still running or queued. "
     "Retract or finish them, then call /flush_cache."
@@ -59,7 +61,7 @@ class DistributedBody(Body):
 
 
 class TensorBody(Body):
-    serialized_named_tensors: list[Any]
+    serialized_named_tensors: list[str]  # base64 over HTTP (SGLang: Annotated[List[bytes], Base64Bytes()])
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
@@ -168,6 +170,8 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
         body = await read_body(request, DistributedBody)
         if not engine.session_open:
             return result(False, OUTSIDE_SESSION.format(endpoint="update_weights_from_distributed"))
+        if engine.weights.released:  # refused before any broadcast is joined
+            return result(False, RELEASED)
         if not len(body.names) == len(body.dtypes) == len(body.shapes):
             return result(
                 False,
@@ -181,7 +185,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
             generator.abort(abort_all=True)
 
         def run() -> bool:
-            with generator.exclusive():
+            with generator.exclusive(), heartbeat.busy("weight_update"):
                 receiver.receive(body.names, body.dtypes, body.shapes, body.group_name, body.load_format)
                 if body.flush_cache and generator.busy():
                     return False
@@ -206,14 +210,36 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> JSONResponse:
-        await read_body(request, TensorBody)
+        """Tensors a colocated trainer shared by handle (`dsv4rl.engine.tensor_update`)."""
+        body = await read_body(request, TensorBody)
         if not engine.session_open:
             return result(False, OUTSIDE_SESSION.format(endpoint="update_weights_from_tensor"))
-        return result(
-            False,
-            "update_weights_from_tensor is not supported by the dsv4rl reference engine (it needs CUDA IPC "
-            "with a co-located trainer); use update_weights_from_distributed.",
-        )
+        if body.abort_all_requests:
+            generator.abort(abort_all=True)
+
+        def run() -> bool:
+            received = receive_tensors(
+                engine.weights, body.serialized_named_tensors, body.load_format, engine.args.tp_size
+            )
+            with generator.exclusive(), heartbeat.busy("weight_update"):
+                engine.weights.commit(received)
+                if body.flush_cache and generator.busy():
+                    return False
+                if body.weight_version is not None:
+                    generator.weight_version = body.weight_version
+                return True
+
+        try:
+            flushed = await asyncio.to_thread(run)
+        except Exception as exc:
+            log.warning("update_weights_from_tensor refused: %s", exc)
+            return result(False, f"Failed to update weights from tensor: {exc}")
+        if not flushed:
+            return result(False, NOT_FLUSHED)
+        message = SUCCESS
+        if body.weight_version is not None:
+            message += f" Weight version updated to {body.weight_version}."
+        return result(True, message)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
@@ -283,6 +309,8 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
         body = await read_body(request, CheckerBody)
         skip = list(body.skip_tensor_list or [])
         held = engine.weights
+        if held.released:
+            return result(False, RELEASED)
 
         def kept() -> dict[str, Any]:
             return {n: t for n, t in held.state().items() if not any(pattern in n for pattern in skip)}

@@ -11,6 +11,11 @@ All of it is checked before any byte is received, and a request is written only 
 
 The engine's forward runs on a float model: after a commit, every changed (weight, scale) pair is
 dequantized into it (`DeepseekWeights`).
+
+`release` gives the memory back as SGLang's `/release_memory_occupation` does for "weights" (torch's meta
+device keeps each tensor's name, dtype and shape, so update requests are still checked, but nothing can be
+read); `restore` takes it back, zero-filled: like SGLang's resumed memory, the values are meaningless until
+an update rewrites them, and `stale` names the tensors no update has rewritten yet.
 """
 
 from __future__ import annotations
@@ -60,9 +65,37 @@ class HeldWeights:
         self._apply = apply
         self.served = served
         self.lock = threading.RLock()
+        self._stale: set[str] = set()
 
     def state(self) -> Mapping[str, torch.Tensor]:
         return self._held
+
+    # ------------------------------------------------------------------------------------------ memory
+    @property
+    def released(self) -> bool:
+        return any(tensor.is_meta for tensor in self._held.values())
+
+    @property
+    def stale(self) -> frozenset[str]:
+        """Tensors whose memory was taken back by `restore` and that no update has rewritten since."""
+        return frozenset(self._stale)
+
+    def nbytes(self) -> int:
+        """Bytes of memory held now (0 once released)."""
+        return sum(_nbytes(t) for t in self._held.values() if not t.is_meta)
+
+    def release(self) -> int:
+        """Drop every held tensor's memory; returns the bytes given back."""
+        with self.lock:
+            freed = self.nbytes()
+            self._held = {n: t.to("meta") for n, t in self._held.items()}
+            return freed
+
+    def restore(self) -> None:
+        """Allocate every released tensor again, zero-filled and stale until an update rewrites it."""
+        with self.lock:
+            self._held = {n: _zeros_like(t) if t.is_meta else t for n, t in self._held.items()}
+            self._stale = set(self._held)
 
     # ------------------------------------------------------------------------------------------ checks
     def plan(
@@ -126,8 +159,11 @@ class HeldWeights:
     def commit(self, received: Mapping[str, torch.Tensor]) -> None:
         """Hold a fully received request (its tensors passed `plan`); takes ownership of the tensors."""
         with self.lock:
+            if self.released:
+                raise ValueError("the engine's weights are released: resume_memory_occupation first")
             for name, tensor in received.items():
                 self._held[name] = tensor.detach().to(self._held[name].device)
+            self._stale.difference_update(received)
             if self._apply is not None:
                 self._apply(self._held, list(received))
 
@@ -137,6 +173,15 @@ class HeldWeights:
         names = [n for n in self._held if not any(pattern in n for pattern in skip)]
         self.commit({name: _random_like(self._held[name]) for name in names})
         return len(names)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _zeros_like(tensor: torch.Tensor) -> torch.Tensor:
+    """All-zero bytes of `tensor`'s dtype and shape on the CPU (any dtype, E8M0 included)."""
+    return torch.zeros(_nbytes(tensor), dtype=torch.uint8).view(tensor.dtype).reshape(tensor.shape)
 
 
 def _random_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -179,6 +224,7 @@ class DeepseekWeights(HeldWeights):
     ) -> None:
         self.model = model
         self.block = block
+        self._param_shapes: dict[str, torch.Size] = {}  # of the released parameters
         super().__init__(stored, self._dequantize_into_model, served)
 
     @torch.no_grad()
@@ -191,3 +237,27 @@ class DeepseekWeights(HeldWeights):
                 continue  # the transformers model has no MTP block
             scale = held.get(scale_name(name)) if name.endswith(".weight") else None
             copy_native_into(state, name, dequantize(held[name], scale, self.block, dtype))
+
+    def nbytes(self) -> int:
+        """The stored tensors plus the float model the forward runs on."""
+        return super().nbytes() + sum(_nbytes(p) for p in self.model.parameters())
+
+    @torch.no_grad()
+    def release(self) -> int:
+        """The forward model's parameters shrink to nothing too (a forward then fails instead of computing
+        with stale values); its buffers stay, as SGLang keeps a model's static state across a release."""
+        with self.lock:
+            freed = self.nbytes()
+            super().release()
+            for name, param in self.model.named_parameters():
+                self._param_shapes.setdefault(name, param.shape)
+                param.data = torch.empty(0, dtype=param.dtype)
+            return freed
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        with self.lock:
+            super().restore()
+            for name, param in self.model.named_parameters():
+                if name in self._param_shapes:
+                    param.data = torch.zeros(self._param_shapes.pop(name), dtype=param.dtype)

@@ -17,10 +17,12 @@ from pathlib import Path
 from dsv4rl.config.compose import load_config_file
 from dsv4rl.eval.data import eval_problems
 from dsv4rl.eval.run import evaluate_on_engines, write_report
+from dsv4rl.faults import heartbeat
+from dsv4rl.faults.child import child_process
 from dsv4rl.model.tiny import load_tokenizer
 from dsv4rl.reward.graders import get_grader
 from dsv4rl.train.loop import rollout_seed
-from dsv4rl.train.worker import engine_clients
+from dsv4rl.train.worker import engine_clients, wait_for_engines
 
 log = logging.getLogger("dsv4rl.eval")
 
@@ -42,10 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     clients = engine_clients(cfg)
     event_loop = asyncio.new_event_loop()
     try:
+        wait_for_engines(cfg, clients, event_loop)
         log.info(
             "eval %s: %d problems x %d samples", cfg.eval.name, len(problems), cfg.eval.samples_per_problem
         )
         seed = rollout_seed(cfg.seed, 0) if cfg.engine.reproducible_sampling else None
+        heartbeat.enter("eval")
         report = evaluate_on_engines(cfg, problems, clients, tokenizer, grader, event_loop, seed)
         path = write_report(report, run_dir)
         log.info("eval %s: pass@1 %.4f, report %s", cfg.eval.name, report["pass@1"], path)
@@ -60,4 +64,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with child_process("eval"):
+        code = main()
+    sys.exit(code)

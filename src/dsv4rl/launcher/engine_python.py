@@ -136,7 +136,7 @@ def interpreter_problems(info: InterpreterInfo, trainer_torch_version: str) -> l
 
 
 def node_runs_sglang(cfg: Config, nodes: list[int] | None = None) -> bool:
-    from dsv4rl.launcher.plan import engines_on_node
+    from dsv4rl.topology import engines_on_node
 
     if cfg.parallel.rollout.engine != "sglang":
         return False

@@ -16,9 +16,7 @@ engine's global index. Engines are found at `http://<cluster.node_addrs[node]>:<
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import math
 import os
 import socket
 import sys
@@ -26,18 +24,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.rules_parallel import engine_port_layout
-from dsv4rl.config.schema import Config
-from dsv4rl.launcher.engine_keys import KEYS_FILE_ENV, engine_keys_file, engines_need_keys
+from dsv4rl.config.rules_machine import on_one_machine
+from dsv4rl.config.schema import Config, SyncTransport
 from dsv4rl.launcher.engine_python import engine_python
-from dsv4rl.sync.sources import weight_sync_sources
+from dsv4rl.rollout.engine_keys import engine_keys_file, engines_need_keys
+from dsv4rl.sync.sources import sync_transport, weight_sync_sources
+from dsv4rl.topology import WILDCARD, engine_port, engine_port_layout, engines_on_node, topology
+from dsv4rl.topology import url_host as _url_host
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"  # one node; several: config-node<r>.yaml (see config_path)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-WILDCARD = ("0.0.0.0", "::")
-ENGINE_URLS_ENV = "DSV4RL_ENGINE_URLS"  # comma-separated engine base URLs, given to the trainer
 WEIGHT_SYNC_TIMEOUT_ENV = "DSV4RL_WEIGHT_SYNC_TIMEOUT_S"  # read by the reference engine and sglang_site
 SGLANG_SITE = Path(__file__).resolve().parents[1] / "engine" / "sglang_site"
 
@@ -84,90 +81,27 @@ def model_dir(cfg: Config) -> Path:
     return Path(cfg.model.path) if cfg.model.path else Path(cfg.run.dir) / "model"
 
 
-def source_model_dir(run_dir: Path) -> Path:
-    """`dsv4rl align` with the tiny model: the unquantized weights the trainer holds (quant=none)."""
-    return Path(run_dir) / "model-source"
-
-
 # ------------------------------------------------------------------------------------------- layout
-def _disaggregated(cfg: Config) -> bool:
-    return not cfg.parallel.colocate and cfg.parallel.rollout.nnodes > 0
-
-
-def trainer_nodes(cfg: Config) -> range:
-    return range(cfg.parallel.train.nnodes)
-
-
-def engine_nodes(cfg: Config) -> range:
-    if _disaggregated(cfg):
-        start = cfg.parallel.train.nnodes
-        return range(start, start + cfg.parallel.rollout.nnodes)
-    return range(cfg.cluster.nnodes)
-
-
-def engines_on_node(cfg: Config, node_rank: int) -> list[int]:
-    """Global indices of the engines node `node_rank` runs (contiguous blocks, in node order)."""
-    nodes = engine_nodes(cfg)
-    if node_rank not in nodes:
-        return []
-    per_node = math.ceil(cfg.parallel.rollout.num_engines / len(nodes))
-    first = (node_rank - nodes.start) * per_node
-    return list(range(first, min(first + per_node, cfg.parallel.rollout.num_engines)))
+# Where things live is `dsv4rl.topology`'s answer; these are the planner's views of it.
+def trainer_nodes(cfg: Config) -> list[int]:
+    return topology(cfg).trainer_nodes()
 
 
 def engine_placement(cfg: Config) -> list[tuple[int, int]]:
-    """(node rank, local index) of every engine, by global index: the assignment `engines_on_node` makes."""
-    placement: list[tuple[int, int]] = []
-    for node in engine_nodes(cfg):
-        placement += [(node, local) for local, _ in enumerate(engines_on_node(cfg, node))]
-    return placement
-
-
-def engine_port(cfg: Config, local: int) -> int:
-    """The port of the node's `local`-th engine (spread out when SGLang's attention DP adds ports)."""
-    return cfg.engine.port + local * engine_port_layout(cfg)[0]
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+    """(node rank, local index) of every engine, by global index."""
+    return [(engine.node, engine.local) for engine in topology(cfg).engines]
 
 
 def engine_urls(cfg: Config) -> list[str]:
-    """Base URLs of every engine, by global index (what trainer rank 0 talks to).
-
-    One node: engine i listens on engine_port(i) at 127.0.0.1 (or engine.host when it names an address).
-    Several nodes: engine i on node n at `http://<cluster.node_addrs[n]>:<engine_port(local index)>`;
-    raises ConfigError when node_addrs does not give every node's address.
-    """
-    if cfg.cluster.nnodes <= 1:
-        host = "127.0.0.1" if cfg.engine.host in WILDCARD else cfg.engine.host
-        return [
-            f"http://{_url_host(host)}:{engine_port(cfg, i)}" for i in range(cfg.parallel.rollout.num_engines)
-        ]
-    addrs = cfg.cluster.node_addrs
-    if len(addrs) != cfg.cluster.nnodes:
-        raise ConfigError(
-            f"cluster.node_addrs lists {len(addrs)} address(es) but cluster.nnodes={cfg.cluster.nnodes}: the "
-            "engines' URLs need every node's hostname or IP, in node-rank order; pass "
-            "cluster.node_addrs=[host0,host1,...] (launch/slurm/dapo_math_4node.sbatch builds it from "
-            "`scontrol show hostnames`)"
-        )
-    return [
-        f"http://{_url_host(addrs[node])}:{engine_port(cfg, local)}" for node, local in engine_placement(cfg)
-    ]
+    """Base URLs of every engine, by global index; ConfigError when cluster.node_addrs misses a node."""
+    return topology(cfg).engine_urls()
 
 
 def remote_engine_health(cfg: Config) -> list[tuple[str, str]]:
     """(name, /health_generate URL) of the engines a trainer node waits for that run on other nodes."""
-    node = cfg.cluster.node_rank
-    if node not in trainer_nodes(cfg):
-        return []
-    urls = engine_urls(cfg)
-    return [
-        (f"engine-{i}", f"{urls[i]}/health_generate")
-        for i, (engine_node, _) in enumerate(engine_placement(cfg))
-        if engine_node != node
-    ]
+    layout = topology(cfg)
+    layout.engine_urls()  # raises, naming the fix, while an engine's node has no address
+    return [(e.name, f"{e.url}/health_generate") for e in layout.remote_engines(cfg.cluster.node_rank)]
 
 
 def config_path(cfg: Config, run_dir: Path) -> Path:
@@ -190,17 +124,26 @@ def _base_env(cfg: Config, base_env: Mapping[str, str] | None) -> dict[str, str]
 
 
 def _cpu_threads(cfg: Config, env: dict[str, str], local_procs: int) -> dict[str, str]:
-    """On CPU, split the cores between the node's processes (a set OMP_NUM_THREADS wins)."""
+    """On CPU, split the cores between the node's processes (a set OMP_NUM_THREADS wins); with every node
+    on this machine, between all nodes' processes (the same threads, so the same numbers, as on one node).
+    The engines and the trainer mostly take turns, but giving each every core was measured 3-5x slower on
+    2 cores: OpenMP threads of one process spin while the other's want the cores."""
     if cfg.cluster.gpus_per_node > 0 or "OMP_NUM_THREADS" in env:
         return env
+    if on_one_machine(cfg):
+        pt = cfg.parallel.train
+        local_procs = cfg.parallel.rollout.num_engines + pt.nnodes * pt.nproc_per_node
     threads = max(1, (os.cpu_count() or 1) // max(1, local_procs))
     return {**env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
 # ------------------------------------------------------------------------------------------- commands
 def _shared_engine_flags(cfg: Config, run_dir: Path) -> list[str]:
-    """Flags both engine kinds take with SGLang's meaning: reproducible sampling and the run's keys."""
+    """Flags both engine kinds take with SGLang's meaning: reproducible sampling, the run's keys, and when
+    colocated the memory saver (without it SGLang's /release_memory_occupation frees nothing)."""
     flags = ["--enable-deterministic-inference"] if cfg.engine.reproducible_sampling else []
+    if cfg.parallel.colocate:
+        flags.append("--enable-memory-saver")
     if engines_need_keys(cfg):
         flags += ["--config", str(engine_keys_file(run_dir))]  # {api_key, admin_api_key}, mode 0600
     return flags
@@ -330,11 +273,8 @@ def build_local_plan(
             )
         )
     if runs_trainer:
+        # the trainer finds the engines, their keys and its peers from the config (dsv4rl.topology)
         trainer_env = dict(env)
-        with contextlib.suppress(ConfigError):  # unresolved without node_addrs; validation names the fix
-            trainer_env[ENGINE_URLS_ENV] = ",".join(engine_urls(cfg))
-        if engines_need_keys(cfg):
-            trainer_env[KEYS_FILE_ENV] = str(engine_keys_file(run_dir))
         meta = {"nproc": str(nproc)}
         gpus = 0 if evaluating else cfg.cluster.gpus_per_node
         if gpus and engines and not cfg.parallel.colocate:
@@ -385,8 +325,8 @@ def planned_ports(cfg: Config) -> list[PlannedPort]:
         ports.append(
             PlannedPort(cfg.cluster.master_port, "0.0.0.0", "torchrun master", "cluster.master_port")
         )
-    sources = weight_sync_sources(cfg)
-    for source in sources:
+    sources = weight_sync_sources(cfg) if sync_transport(cfg) == SyncTransport.broadcast else []
+    for source in sources:  # colocated: tensor handles over HTTP, no group to host
         if source.node == node:
             what = "weight sync" if len(sources) == 1 else f"weight sync of pipeline stage {source.stage}"
             ports.append(PlannedPort(source.port, "0.0.0.0", what, "cluster.weight_sync_port", source.stage))

@@ -20,10 +20,17 @@ from rich.table import Table
 from rich.text import Text
 
 from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.rules_base import data_parallel_size, num_layers
-from dsv4rl.config.schema import Config
-from dsv4rl.launcher.engine_keys import ADMIN_KEY_ENV, engine_keys_file, engines_need_keys
+from dsv4rl.config.rules_base import data_parallel_size, stage_layers
+from dsv4rl.config.schema import ClusterKind, Config
 from dsv4rl.launcher.engine_python import engine_python
+from dsv4rl.launcher.estimate_view import (
+    memory_json,
+    node_memory,
+    node_memory_text,
+    render_memory,
+    render_step_time,
+    step_time_json,
+)
 from dsv4rl.launcher.plan import (
     build_local_plan,
     engine_placement,
@@ -34,7 +41,8 @@ from dsv4rl.launcher.plan import (
     remote_engine_health,
     trainer_nodes,
 )
-from dsv4rl.sync.sources import weight_sync_sources
+from dsv4rl.rollout.engine_keys import ADMIN_KEY_ENV, engine_keys_file, engines_need_keys
+from dsv4rl.sync.sources import sync_transport, weight_sync_sources
 
 
 def _node_cfg(cfg: Config, node: int) -> Config:
@@ -84,6 +92,21 @@ def node_plan(cfg: Config, run_dir: Path, node: int) -> dict[str, Any]:
     }
 
 
+def slurm_header(cfg: Config) -> list[str] | None:
+    """The `#SBATCH` lines the recipe implies (cluster.kind=slurm): nodes, GPUs and the site's partition,
+    account and time limit (`cluster.partition`, `.account`, `.time_limit`), for the batch script."""
+    c = cfg.cluster
+    if c.kind != ClusterKind.slurm:
+        return None
+    lines = [f"#SBATCH --nodes={c.nnodes}", "#SBATCH --ntasks-per-node=1"]
+    if c.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={c.gpus_per_node}")
+    for flag, value in (("partition", c.partition), ("account", c.account), ("time", c.time_limit)):
+        if value:
+            lines.append(f"#SBATCH --{flag}={value}")
+    return lines
+
+
 def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None = None) -> dict[str, Any]:
     """The plan of `nodes` plus run-wide facts: where each engine lives and its URL (None: unresolved)."""
     run_dir = Path(cfg.run.dir).resolve()
@@ -95,9 +118,12 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
         {"index": i, "node": node, "port": engine_port(cfg, local), "url": urls[i]}
         for i, (node, local) in enumerate(engine_placement(cfg))
     ]
+    memory = memory_json(cfg)
     return {
         "recipe": cfg.recipe,
+        "algorithm": cfg.algo.name.value,
         "run_dir": str(run_dir),
+        "slurm": slurm_header(cfg),
         # what the trainer sends and the engines must serve (their SGLang environment: quant.engine_env)
         "quant": {"name": cfg.quant.name.value, "engine_env": dict(cfg.quant.engine_env)},
         "nnodes": cfg.cluster.nnodes,
@@ -110,19 +136,13 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
             "weight_sync_timeout_s": cfg.sync.timeout_s,
         },
         "training": training_layout(cfg),
+        # per GPU against cluster.device, and the time of a step (dsv4rl.estimate; none on CPU)
+        "memory": memory,
+        "step_time": step_time_json(cfg),
         "engines": engines,
-        "nodes": [node_plan(cfg, run_dir, n) for n in nodes],
+        "nodes": [{**node_plan(cfg, run_dir, n), "memory": node_memory(memory, n)} for n in nodes],
         "warnings": list(warnings or []),
     }
-
-
-def stage_layers(cfg: Config) -> list[int]:
-    """Decoder layers per pipeline stage: `last_stage_layers` on the last, the rest split evenly."""
-    t, layers = cfg.parallel.train, num_layers(cfg)
-    if t.pipeline_parallel == 1:
-        return [layers]
-    last = t.last_stage_layers if t.last_stage_layers is not None else layers // t.pipeline_parallel
-    return [(layers - last) // (t.pipeline_parallel - 1)] * (t.pipeline_parallel - 1) + [last]
 
 
 def training_layout(cfg: Config) -> dict[str, Any]:
@@ -141,6 +161,8 @@ def training_layout(cfg: Config) -> dict[str, Any]:
         "optimizer_offload_fraction": t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
         # who broadcasts the weights: one source rank per pipeline stage, each with its own group and port
         "weight_sync_sources": [asdict(source) for source in weight_sync_sources(cfg)],
+        # colocated (parallel.colocate): by tensor handles, the engines' memory released while training
+        "weight_sync_transport": sync_transport(cfg).value,
     }
 
 
@@ -155,6 +177,12 @@ def _layout_text(layout: dict[str, Any]) -> str:
         f"stage {s['stage']} from rank {s['rank']} at {s['address'] or '?'}:{s['port']} ({s['group_name']})"
         for s in layout["weight_sync_sources"]
     )
+    if layout.get("weight_sync_transport") == "tensor":
+        ranks = ", ".join(f"stage {s['stage']} from rank {s['rank']}" for s in layout["weight_sync_sources"])
+        senders = (
+            f"colocated, by tensor handles (/update_weights_from_tensor): {ranks}; the engines release "
+            "their memory (weights, KV cache, CUDA graphs) while the trainer trains"
+        )
     return (
         f"training: {layout['backend']} on {layout['world_size']} rank(s), TP{layout['tensor_parallel']}/"
         f"PP{layout['pipeline_parallel']}/EP{layout['expert_parallel']}/DP{layout['data_parallel']} "
@@ -170,8 +198,14 @@ def _env_text(env: dict[str, str]) -> str:
 def render_plan(plan: dict[str, Any], console: Console) -> None:
     """One panel per node: a process table and the environment each process gets."""
     console.print(
-        Text(f"recipe {plan['recipe']}: {plan['nnodes']} node(s), run dir {plan['run_dir']}", style="bold")
+        Text(
+            f"recipe {plan['recipe']} ({plan['algorithm']}): {plan['nnodes']} node(s), "
+            f"run dir {plan['run_dir']}",
+            style="bold",
+        )
     )
+    if plan["slurm"]:
+        console.print("Slurm batch script header (cluster.*):\n  " + "\n  ".join(plan["slurm"]))
     console.print(f"weights on the wire: quant={plan['quant']['name']} (the engines must serve that format)")
     engine = plan["engine"]
     if engine["python"]:
@@ -191,6 +225,8 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         f"weight-update group timeout: {engine['weight_sync_timeout_s']:g} s on trainer and engines"
     )
     console.print(_layout_text(plan["training"]))
+    render_memory(plan["memory"], console)
+    render_step_time(plan["step_time"], console)
     for node in plan["nodes"]:
         table = Table(show_lines=True, expand=False)
         for column in ("process", "role", "gpus", "port", "command"):
@@ -215,6 +251,8 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         elif node["waits_for"]:
             env.add_row("waits for", "\n".join(f"{w['name']} {w['health_url']}" for w in node["waits_for"]))
         env.add_row("listens", ", ".join(f"{p['port']} ({p['what']})" for p in node["listens"]) or "-")
+        if node["memory"]:
+            env.add_row("memory", node_memory_text(node["memory"]))
         address = f" ({node['address']})" if node["address"] else ""
         title = f"node {node['node']}{address}: {', '.join(node['roles'])}"
         console.print(Panel(Group(table, env), title=title, title_align="left", expand=False))

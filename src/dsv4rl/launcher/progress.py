@@ -22,7 +22,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
-PHASES = ("rollout", "reward", "train", "sync")
+PHASES = ("rollout", "reward", "wait_rollout", "train", "sync", "verify", "eval")
+# With algo.async_rollout a step's rollout and reward ran while the step before trained: not in its time.
+BACKGROUND = ("rollout", "reward")
 SHOWN = (
     ("reward_mean", "reward"),
     ("reward_std", "reward std"),
@@ -111,6 +113,7 @@ class RunProgress:
         self.records = 0
         self.last: dict[str, Any] = {}
         self.time = dict.fromkeys((*PHASES, "step"), 0.0)
+        self.overlapped = False  # async rollouts: rollout and reward ran in the background
         self.progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
@@ -130,6 +133,7 @@ class RunProgress:
     def add(self, record: dict[str, Any]) -> None:
         self.records += 1
         self.last = record
+        self.overlapped = self.overlapped or "async_overlap_s" in record
         for phase in (*PHASES, "step"):
             value = record.get(f"time_{phase}_s")
             if isinstance(value, int | float):
@@ -137,9 +141,14 @@ class RunProgress:
         self.progress.update(self._task, completed=self.step)
 
     def shares(self) -> dict[str, float]:
-        """Seconds per phase, plus `other` (step time not in a named phase)."""
-        named = {p: self.time[p] for p in PHASES}
-        named["other"] = max(0.0, self.time["step"] - sum(named.values()))
+        """Seconds per phase that took any, plus `other` (step time not in a named phase). With async
+        rollouts, rollout and reward are listed as "(background)" and not counted in the steps' time."""
+        named = {p: self.time[p] for p in PHASES if self.time[p] > 0 or p in ("rollout", "train", "sync")}
+        in_steps = sum(v for p, v in named.items() if not (self.overlapped and p in BACKGROUND))
+        other = max(0.0, self.time["step"] - in_steps)
+        if self.overlapped:
+            named = {(f"{p} (background)" if p in BACKGROUND else p): v for p, v in named.items()}
+        named["other"] = other
         return named
 
     def line(self, record: dict[str, Any]) -> str:
@@ -151,10 +160,12 @@ class RunProgress:
                 parts.append(f"{label} {_fmt(record[key])}")
         step_s = record.get("time_step_s")
         if isinstance(step_s, int | float) and step_s > 0:
+            background = "async_overlap_s" in record
             split = " ".join(
-                f"{p} {100 * record.get(f'time_{p}_s', 0) / step_s:.0f}%"
+                f"{p}{' (background)' if background and p in BACKGROUND else ''} "
+                f"{100 * record.get(f'time_{p}_s', 0) / step_s:.0f}%"
                 for p in PHASES
-                if isinstance(record.get(f"time_{p}_s"), int | float)
+                if isinstance(record.get(f"time_{p}_s"), int | float) and record[f"time_{p}_s"] > 0
             )
             parts.append(f"({split})")
         return " | ".join(parts)
@@ -171,7 +182,7 @@ class RunProgress:
 
     def time_table(self, title: str = "time") -> Table:
         shares = self.shares()
-        total = sum(shares.values())
+        total = sum(v for phase, v in shares.items() if not phase.endswith("(background)"))
         table = Table(title=title, box=None, padding=(0, 2))
         table.add_column("phase", style="cyan")
         table.add_column("seconds", justify="right")

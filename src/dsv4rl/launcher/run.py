@@ -13,16 +13,16 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from dsv4rl.config.schema import Config
-from dsv4rl.launcher.engine_keys import EngineKeysError, engines_need_keys, ensure_engine_keys_file
 from dsv4rl.launcher.marker import DoneMarker
+from dsv4rl.launcher.node_liveness import NodeLiveness
 from dsv4rl.launcher.plan import (
     build_local_plan,
     check_ports,
     config_path,
     remote_engine_health,
-    source_model_dir,
 )
 from dsv4rl.launcher.supervisor import Supervisor
+from dsv4rl.rollout.engine_keys import EngineKeysError, engines_need_keys, ensure_engine_keys_file
 
 
 def write_config(cfg: Config, run_dir: Path) -> Path:
@@ -82,7 +82,7 @@ def run_training(
     write_config(cfg, run_dir)
     if cfg.model.path is None:
         from dsv4rl.config.schema import QuantConfig
-        from dsv4rl.model.tiny import materialize_model
+        from dsv4rl.model.tiny import materialize_model, source_model_dir
 
         with console.status(f"building the tiny model from its seed (quant={cfg.quant.name.value}) ..."):
             materialize_model(cfg.model, str(run_dir / "model"), cfg.quant)
@@ -96,6 +96,10 @@ def run_training(
         marker.clear()  # an earlier run's; rollout-only nodes ignore it anyway
     elif multi_node and not any(s.role == "trainer" for s in specs):
         marker = DoneMarker(run_dir)
+    liveness = None
+    if multi_node:
+        c = cfg.cluster
+        liveness = NodeLiveness(run_dir, node, c.nnodes, c.node_timeout_s, cfg.engine.startup_timeout_s)
     supervisor = Supervisor(
         specs,
         run_dir,
@@ -103,8 +107,10 @@ def run_training(
         console=console,
         live=cfg.run.progress and sys.stdout.isatty() and node == 0 and task == "train",
         startup_timeout_s=cfg.engine.startup_timeout_s,
+        step_timeout_s=cfg.run.step_timeout_s,
         remote_engines=remote_engines,
         done_marker=marker,
         show_progress=node == 0 and task == "train",  # nodes share one log under srun: one display
+        liveness=liveness,
     )
     return supervisor.run()

@@ -2,13 +2,18 @@
 
 Rules: engines - this node's and, on a trainer node, those on other nodes - must answer /health_generate
 before the trainer starts; the run succeeds when every trainer exits 0; any other exit (a crash, a kill,
-an engine quitting early) stops every child and shows the failing child's log tail; Ctrl-C or SIGTERM
-stops every child and returns 130. Children run in their own sessions with logs in
-`<run_dir>/logs/<name>.log`; descendants are tracked so none outlives the run.
+an engine quitting early) stops every child and shows the failing child's root cause (its exception, or
+the rank and signal torchrun saw) or else its log tail; Ctrl-C or SIGTERM stops every child and returns 130.
+Children run in their own sessions with logs in `<run_dir>/logs/<name>.log`; descendants are tracked so
+none outlives the run. Hang watchdog: a trainer phase without progress for `step_timeout_s` makes every
+child dump its Python stacks (`logs/stacks-<process>.txt`), then the run stops naming the phase and the
+process that did not advance (`dsv4rl.launcher.watchdog`); the children's side is `dsv4rl.faults`.
 
 Multi-node: node 0 writes `<run_dir>/DONE` when its trainer exits (`dsv4rl.launcher.marker`); a node that
 only runs engines serves until that marker appears, then stops its engines and exits 0 (1 if the marker
-says the run failed, or if one of its engines dies first).
+says the run failed, or if one of its engines dies first). Every node keeps a heartbeat in the run dir and
+stops, naming the node, when one it depends on stops, goes silent or never comes up
+(`dsv4rl.launcher.node_liveness`).
 """
 
 from __future__ import annotations
@@ -31,10 +36,13 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.text import Text
 
+from dsv4rl.launcher.child_faults import ChildFaults
 from dsv4rl.launcher.marker import FINISHED, DoneMarker
+from dsv4rl.launcher.node_liveness import NodeLiveness
 from dsv4rl.launcher.plan import METRICS_FILE, ProcessSpec
 from dsv4rl.launcher.procs import Tracker, become_subreaper, child_preexec
 from dsv4rl.launcher.progress import MetricsTail, RunProgress
+from dsv4rl.launcher.watchdog import Hang, describe, find_hang
 from dsv4rl.rollout.client import EngineClient
 
 INTERRUPTED = 130
@@ -87,6 +95,7 @@ class Supervisor:
     `remote_engines`: (name, health URL) of engines on other nodes, waited for before the trainer starts.
     `done_marker`: with trainers in `specs` (node 0 only), written when the run ends; without trainers
     (a rollout-only node), the run ends when it appears. `show_progress`: tail the metrics (one node).
+    `step_timeout_s`: the hang watchdog's limit (0: off).
 
     `run()` makes this process a child subreaper and treats every process reparented to it during the
     run as part of the run: nothing else in this process should start child processes meanwhile.
@@ -104,9 +113,11 @@ class Supervisor:
         grace_s: float = 10.0,
         poll_s: float = 0.25,
         tail_lines: int = 20,
+        step_timeout_s: float = 0.0,
         remote_engines: Sequence[tuple[str, str]] = (),
         done_marker: DoneMarker | None = None,
         show_progress: bool = True,
+        liveness: NodeLiveness | None = None,
     ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -119,9 +130,16 @@ class Supervisor:
         self.grace_s = grace_s
         self.poll_s = poll_s
         self.tail_lines = tail_lines
+        self.step_timeout_s = step_timeout_s
+        # The children's heartbeats, crash reports and stack dumps (and the other nodes' engines' heartbeats).
+        self.faults = ChildFaults(self.specs, [name for name, _ in remote_engines])
+        self.hang: Hang | None = None
         self.remote_engines = list(remote_engines)
         self.done_marker = done_marker
         self.show_progress = show_progress
+        self.liveness = liveness  # multi-node: this node's heartbeat, and the nodes it depends on
+        self._lost_node: str | None = None  # why a node this one depends on is gone
+        self._failure = ""  # what failed here, for the final heartbeat
         self.children: list[Child] = []
         self.tracker = Tracker()
         self.progress = RunProgress(total_steps)
@@ -134,11 +152,55 @@ class Supervisor:
         (self._display.console if self._display else self.console).print(*objects, soft_wrap=soft_wrap)
 
     def _report_failure(self, child: Child, reason: str) -> None:
+        self._failure = f"{child.name} {reason}"
         self._print(Text(f"✗ {child.name} {reason}", style="bold red"))
+        if self._show_root_cause(child):
+            return
         tail = log_tail(child.spec.log_path, self.tail_lines, child.log_start)
         body = Text("\n".join(tail) if tail else "(empty log)", style="red")
         title = f"last {len(tail)} lines of {child.spec.log_path}"
         self._print(Panel(body, title=title, border_style="red", expand=False))
+
+    def _show_root_cause(self, child: Child) -> bool:
+        """Print why `child` failed in its own words; True when its traceback stands in for the log tail."""
+        log_text = "\n".join(log_tail(child.spec.log_path, 5000, child.log_start))  # torchrun's block
+        cause = self.faults.root_cause(child.spec, log_text)
+        if cause is None:
+            return False
+        self._print(Text(f"root cause: {cause.headline}", style="bold red"), soft_wrap=True)
+        for line in cause.others:
+            self._print(Text(f"  also: {line}", style="red"), soft_wrap=True)
+        if not cause.traceback:
+            return False
+        lines = cause.traceback.rstrip().splitlines()[-self.tail_lines :]
+        title = f"{cause.process}'s traceback"
+        self._print(Panel(Text("\n".join(lines), style="red"), title=title, border_style="red", expand=False))
+        self._print(Text(f"crash report: {cause.source}", style="dim"), soft_wrap=True)
+        self._print(Text(f"full log: {child.spec.log_path}", style="dim"), soft_wrap=True)
+        return True
+
+    def _hung(self, table: dict) -> bool:
+        """The hang watchdog: on a trainer phase without progress for `step_timeout_s`, every child with a
+        heartbeat dumps its Python stacks and the run stops."""
+        if self.step_timeout_s <= 0:
+            return False
+        seen = self.faults.heartbeats(set(self.tracker.alive(table)))
+        watched = [item.beat for item in seen if item.role == "trainer"]
+        servers = [item.beat for item in seen if item.role != "trainer"]
+        now = time.time()
+        self.hang = find_hang(watched, servers, self.step_timeout_s, now)
+        if self.hang is None:
+            return False
+        headline = self.hang.headline(self.step_timeout_s)
+        self._failure = headline
+        self._print(Text(f"✗ {headline}", style="bold red"), soft_wrap=True)
+        dumps = self.faults.dump_stacks(seen, headline)
+        lines = [describe(item.beat, now) + ("" if item.local else " (another node)") for item in seen]
+        body = Text("\n".join(lines), style="red")
+        self._print(Panel(body, title="every process at the hang", border_style="red", expand=False))
+        for path, came in dumps.items():  # whole paths, never wrapped: they are copied into editors
+            self._print(Text(f"Python stacks: {path}" + ("" if came else " (no dump came)")), soft_wrap=True)
+        return True
 
     def _poll_metrics(self) -> None:
         if not self.show_progress:
@@ -164,7 +226,7 @@ class Supervisor:
             log.flush()
             proc = subprocess.Popen(
                 spec.argv,
-                env=spec.env,
+                env=self.faults.env(spec),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -183,7 +245,7 @@ class Supervisor:
         def should_abort(target: HealthTarget) -> bool:
             self.tracker.refresh()  # remember what the engines spawn while they load
             exited = target.child is not None and target.child.proc.poll() is not None
-            return exited or bool(self._signals)
+            return exited or bool(self._signals) or self._node_lost(stopped_only=True)
 
         async def one(target: HealthTarget) -> None:
             parts = urlsplit(target.url)
@@ -252,7 +314,7 @@ class Supervisor:
         status = "failed"
         try:
             code = self._run()
-            status = {0: "finished", INTERRUPTED: "interrupted"}.get(code, "failed")
+            status = "hung" if self.hang else {0: "finished", INTERRUPTED: "interrupted"}.get(code, "failed")
             return code
         except KeyboardInterrupt:
             status = "interrupted"
@@ -272,6 +334,8 @@ class Supervisor:
                 with contextlib.suppress(OSError):
                     self.done_marker.write(status)
                     self._print(Text(f"wrote {self.done_marker.path} ({status})", style="dim"))
+            if self.liveness is not None:  # after DONE: a peer that sees this node stopped finds the marker
+                self.liveness.stop(status, self._failure)
             self._poll_metrics()
             style = {"finished": "bold green", "interrupted": "bold yellow"}.get(status, "bold red")
             if self.show_progress:
@@ -291,6 +355,7 @@ class Supervisor:
         return [s for s in self.specs if s.role == "trainer"]
 
     def _run(self) -> int:
+        self.faults.clear()  # an earlier run's heartbeats and crash reports in this run dir
         engines = [self._start(s) for s in self.specs if s.role == "engine"]
         targets = [HealthTarget(c.name, c.spec.health_url, c) for c in engines if c.spec.health_url]
         if self._trainer_specs():  # only a trainer needs the other nodes' engines
@@ -298,6 +363,8 @@ class Supervisor:
         failure = self._wait_healthy(targets)
         if self._interrupted():
             return INTERRUPTED
+        if self._lost_node is not None:
+            return self._on_node_lost(None if self._trainer_specs() else self.done_marker)
         if failure is not None:
             target, message = failure
             if target.child is None:
@@ -306,6 +373,8 @@ class Supervisor:
                 log = self.run_dir / "logs" / f"{target.name}.log"
                 hint = f"its log is {log} (shared run dir); that node's supervisor output says why"
                 self._print(Text(hint, style="red"), soft_wrap=True)
+                for line in self.liveness.watch.summary() if self.liveness is not None else []:
+                    self._print(Text(line, style="red"), soft_wrap=True)
                 return 1
             code = target.child.proc.poll()
             reason = describe_exit(code) if code is not None else f"is not healthy: {message}"
@@ -326,14 +395,18 @@ class Supervisor:
             if self._interrupted():
                 return INTERRUPTED
             if time.monotonic() - last_refresh >= 1.0:  # a /proc scan: once a second is enough
-                self.tracker.refresh()
+                table = self.tracker.refresh()
                 last_refresh = time.monotonic()
+                if self._hung(table):
+                    return 1
             self._poll_metrics()
             exited = [(c, c.proc.poll()) for c in self.children if c.proc.poll() is not None]
             failed = [(c, code) for c, code in exited if code != 0 or c.spec.role != "trainer"]
             if failed:
                 for child, code in failed:
                     self._report_failure(child, describe_exit(code) + (" unexpectedly" if code == 0 else ""))
+                if any(child.spec.role == "trainer" for child, _ in failed):
+                    self._explain_by_peers()
                 if watch is not None:
                     self._print(
                         Text(
@@ -348,7 +421,32 @@ class Supervisor:
                 return 0
             if watch is not None and watch.appeared():
                 return self._on_done(watch)
+            if self._node_lost():
+                return self._on_node_lost(watch)
             time.sleep(self.poll_s)
+
+    def _node_lost(self, stopped_only: bool = False) -> bool:
+        """Beat this node's heartbeat; True (the message kept) once a node this one depends on is lost."""
+        if self.liveness is not None and self._lost_node is None:
+            self._lost_node = self.liveness.poll(stopped_only)
+        return self._lost_node is not None
+
+    def _on_node_lost(self, marker: DoneMarker | None = None) -> int:
+        if marker is not None and marker.appeared():  # node 0 writes DONE just before its last heartbeat
+            return self._on_done(marker)
+        self._failure = self._lost_node or ""
+        self._print(Text(f"✗ {self._lost_node}", style="bold red"), soft_wrap=True)
+        self._print(Text("the run cannot go on without that node: stopping this one", style="red"))
+        return 1
+
+    def _explain_by_peers(self) -> None:
+        """A trainer failed: name a node this one depends on that stopped too (the likelier cause), or say
+        what was last heard from each."""
+        if self.liveness is None or not self.liveness.watch.nodes:
+            return
+        lost = self._lost_node or self.liveness.settle(wait_s=2.0)
+        for line in [lost] if lost else self.liveness.watch.summary():
+            self._print(Text(line, style="red" if lost else "dim"), soft_wrap=True)
 
     def _on_done(self, marker: DoneMarker) -> int:
         status = marker.status()

@@ -7,7 +7,9 @@ score-routed MoE; mHC with 4 streams) so the whole loop exercises the real archi
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 from dataclasses import asdict
 from pathlib import Path
 
@@ -131,6 +133,11 @@ class ModelDirMismatch(ValueError):
     """A model directory built earlier from other settings than the recipe's."""
 
 
+def source_model_dir(run_dir: str | Path) -> Path:
+    """`dsv4rl align` with the tiny model: the unquantized weights the trainer holds (quant=none)."""
+    return Path(run_dir) / "model-source"
+
+
 def materialize_model(model_config: ModelConfig, directory: str, quant: QuantConfig | None = None) -> str:
     """Write the tiny model as a native DeepSeek-V4 checkpoint in `quant`'s format, with its tokenizer.
 
@@ -144,15 +151,44 @@ def materialize_model(model_config: ModelConfig, directory: str, quant: QuantCon
         return str(target)
     tokenizer = load_tokenizer(model_config)
     model = load_model(model_config, vocab_size=len(tokenizer))
-    partial = target.with_name(target.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)  # a build interrupted earlier
+    _remove_stale_partials(target)
+    # One build dir per process: the nodes of a multi-node run share the run dir and build at the same time.
+    partial = target.with_name(f"{target.name}.partial-{socket.gethostname()}-{os.getpid()}")
     transformers_logging.disable_progress_bar()  # the supervisor's own display is on screen
     write_native_checkpoint(model, partial, checkpoint_wire_format(quant))
     tokenizer.save_pretrained(partial)
     (partial / MANIFEST_FILE).write_text(_manifest(model_config, quant))
-    partial.rename(target)
+    try:
+        partial.rename(target)
+    except OSError:  # another node was first; its copy is built from the same seed and settings
+        shutil.rmtree(partial)
+        if not check_model_dir(model_config, target, quant):
+            raise
     return str(target)
+
+
+def _remove_stale_partials(target: Path) -> None:
+    """Builds interrupted earlier on this host; a live process's build, or another host's, is left alone."""
+    prefix, ours = f"{target.name}.partial", f"-{socket.gethostname()}-"
+    for stale in target.parent.glob(f"{prefix}*"):
+        owner = stale.name.removeprefix(prefix)  # "" (older builds) or "-<host>-<pid>"
+        if owner.startswith(ours):
+            pid = owner.rsplit("-", 1)[-1]
+            if pid.isdigit() and _process_alive(int(pid)):
+                continue
+        elif owner:
+            continue
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _manifest(model_config: ModelConfig, quant: QuantConfig) -> str:

@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from dsv4rl.faults import heartbeat
+
 RETRY_STATUSES = frozenset({502, 503, 504})
 _MAX_MESSAGE_CHARS = 600
 
@@ -171,6 +173,7 @@ class EngineClient:
                 raise EngineError(self.base_url, endpoint, f"request failed: {exc!r}") from exc
             else:
                 if response.status_code < 400:
+                    heartbeat.progress()  # the hang watchdog: a long rollout that gets answers is moving
                     return response
                 if last or response.status_code not in RETRY_STATUSES:
                     raise EngineError(self.base_url, endpoint, server_message(response), response.status_code)
@@ -354,6 +357,37 @@ class EngineClient:
         if load_format is not None:
             body["load_format"] = load_format
         return await self._weights("/update_weights_from_distributed", body)
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str],
+        load_format: str | None = None,
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+    ) -> dict:
+        """One base64 pickle of tensor handles per tensor-parallel rank (`dsv4rl.sync.tensor_payload`);
+        returns once the server loaded them (so the caller keeps the tensors alive until then)."""
+        if not serialized_named_tensors or not all(isinstance(s, str) for s in serialized_named_tensors):
+            raise ValueError("serialized_named_tensors must be one base64 string per tensor-parallel rank")
+        body: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "flush_cache": flush_cache,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if load_format is not None:
+            body["load_format"] = load_format
+        return await self._weights("/update_weights_from_tensor", body)
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Give back the memory of `tags` (weights, kv_cache, cuda_graph; None: all). The engine must be
+        idle; SGLang needs `--enable-memory-saver` to free anything."""
+        await self._control("/release_memory_occupation", {"tags": None if tags is None else list(tags)})
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Take back the memory of `tags` (None: all). Resumed weights hold no useful values until the next
+        weight update (unless SGLang keeps a CPU backup, `--enable-weights-cpu-backup`)."""
+        await self._control("/resume_memory_occupation", {"tags": None if tags is None else list(tags)})
 
     async def weights_checker(
         self, action: str = "checksum", skip_tensor_list: list[str] | None = None

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4rl.config.schema import Config, TrainBackend
+from dsv4rl.config.schema import Config, SyncTransport, TrainBackend
 
-__all__ = ["SyncSource", "weight_sync_sources"]
+__all__ = ["SyncSource", "sync_transport", "weight_sync_sources"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,11 @@ class SyncSource:
     address: str  # how the engines reach that node
     port: int  # cluster.weight_sync_port + stage
     group_name: str  # sync.group_name, then "-pp<stage>" for the stages after the first
+
+
+def sync_transport(cfg: Config) -> SyncTransport:
+    """Colocated engines take the weights by tensor handles (no group, no port); others by broadcast."""
+    return SyncTransport.tensor if cfg.parallel.colocate else SyncTransport.broadcast
 
 
 def pipeline_stages(cfg: Config) -> int:

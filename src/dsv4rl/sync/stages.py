@@ -42,6 +42,8 @@ def merge_stats(reports: Sequence[SyncStats]) -> SyncStats:
     """One sync from its senders' reports: sizes and transfer times add up (the engines take one bucket
     at a time); the senders prepared their buckets side by side, so that time is the slowest one's."""
     merged = SyncStats(sources=len(reports))
+    if reports:
+        merged.transport = reports[0].transport  # every sender of one sync uses the same transport
     for stats in reports:
         merged.bytes += stats.bytes
         merged.buckets += stats.buckets

@@ -62,8 +62,11 @@ class BroadcastTransport:
         self.load_format = load_format
         self.broken: str | None = None  # why the group can no longer be used, once a transfer failed
 
-    def send(self, bucket: list[NamedTensor], weight_version: str | None, what: str) -> int:
-        """Send one bucket (already in wire order) to every engine; returns its payload bytes."""
+    def send(
+        self, bucket: list[NamedTensor], weight_version: str | None, what: str, *, flush_cache: bool = False
+    ) -> int:
+        """Send one bucket (already in wire order) to every engine; returns its payload bytes. The last
+        bucket sets `weight_version` and flushes the prefix cache (`flush_cache`) in the same request."""
         meta = bucket_metadata(bucket)
         for name, dtype in zip(meta["names"], meta["dtypes"], strict=True):
             try:
@@ -75,7 +78,11 @@ class BroadcastTransport:
             payload = [flatten_bucket(list(zip(meta["names"], tensors, strict=True)), self.device)]
         else:
             payload = [transport_view(t, self.backend) for t in tensors]
-        options = {"flush_cache": False, "weight_version": weight_version, "load_format": self.load_format}
+        options = {
+            "flush_cache": flush_cache,
+            "weight_version": weight_version,
+            "load_format": self.load_format,
+        }
         posts = [
             (
                 client,

@@ -1,17 +1,24 @@
 """The trainer side of checkpoint-free weight sync: rank 0 broadcasts the weights to every engine.
 
 Protocol (SGLang 0.5.23's `/update_weights_from_distributed`): the trainer is rank 0 of a custom process
-group; engine i joins at `rank_offset = 1 + ranks of engines before it`. A push pauses the engines,
-opens a weight-update session, streams the weights through the pipeline (`dsv4rl.sync.pipeline`:
-native names -> wire format -> buckets) into the transport (`dsv4rl.sync.transport`: each bucket's
-request POSTed to every engine while the tensors are broadcast), then closes the session, flushes the
-cache, sets the weight version and lets generation continue. The POSTs run on a private asyncio loop
+group; engine i joins at `rank_offset = 1 + ranks of engines before it`. A push opens a weight-update
+session, streams the weights through the pipeline (`dsv4rl.sync.pipeline`: native names -> wire format
+-> buckets) into the transport (`dsv4rl.sync.transport`: each bucket's request POSTed to every engine
+while the tensors are broadcast) and closes the session: `2 + buckets` requests per engine. The last
+bucket carries the weight version and flushes the prefix cache (SGLang 0.5.23 sets both from the bucket
+request: no `/flush_cache` or `/update_weight_version` call is needed). Pausing generation around the
+push (`pause=True`) is for when requests may be in flight (asynchronous rollouts); the synchronous loop
+syncs between rollouts and skips it. The POSTs run on a private asyncio loop
 in a helper thread, so `WeightSync` is a blocking API callable from any thread (not from inside a
 running event loop's thread without `asyncio.to_thread`).
 
 A pipeline-parallel trainer has one source per stage (`dsv4rl.sync.stages`): each source owns its own
 group (its own name and port) with every engine and only `send`s; rank 0 wraps all the sends in one
 `begin_update` / `finish_update`.
+
+Colocated engines (`transport=SyncTransport.tensor`) take the same buckets by handle instead
+(`dsv4rl.sync.tensor_transport`, SGLang's `/update_weights_from_tensor`): no group, no port, the same
+session around them.
 
 Failures never hang for long; when a transfer fails the group is marked broken: `close()` then
 `connect()` again.
@@ -30,6 +37,7 @@ from typing import Any
 
 import torch
 
+from dsv4rl.config.schema import SyncTransport
 from dsv4rl.quant.formats import WireFormat
 from dsv4rl.sync.buckets import FLATTENED_BUCKET, NamedTensor, sort_for_flattening
 from dsv4rl.sync.checksum import checksums
@@ -41,6 +49,7 @@ from dsv4rl.sync.process_group import (
     format_init_method,
     init_custom_process_group,
 )
+from dsv4rl.sync.tensor_transport import TensorTransport
 from dsv4rl.sync.transport import BroadcastTransport, WeightSyncError, engine_name, post_error
 
 __all__ = ["SyncStats", "WeightSync", "WeightSyncError"]
@@ -61,6 +70,7 @@ class SyncStats:
     pipeline_seconds: float = 0.0  # gathering, renaming, quantizing (and checksumming) into buckets
     checksums: dict[str, str] = field(default_factory=dict)  # sha256 of each tensor sent, when recorded
     sources: int = 1  # senders whose transfers ran side by side (one per pipeline stage)
+    transport: SyncTransport = SyncTransport.broadcast  # how the buckets travelled
 
     @property
     def gb_per_s(self) -> float:
@@ -77,7 +87,8 @@ class SyncStats:
 
 
 class WeightSync:
-    """Pushes trainer weights to SGLang-protocol engines over a broadcast group (trainer = rank 0).
+    """Pushes trainer weights to SGLang-protocol engines over a broadcast group (trainer = rank 0), or to
+    colocated engines by tensor handles.
 
     `clients` are `EngineClient`s (or anything with the same async methods). `engine_ranks[i]` is engine
     i's TP size, the ranks it adds to the group (1 for the reference engine). `load_format` is None (one
@@ -85,6 +96,9 @@ class WeightSync:
     `sync_cfg.load_format` if that field exists. `wire_format` converts native tensors to what the engines
     hold (None: sent as they are); the trainer sets it once it knows what the engines serve.
     `group_name` names this sender's group (default `sync_cfg.group_name`; one per pipeline stage).
+    `pause`: pause generation (`sync.pause_mode`) from the session's start to its end.
+    `transport`: `broadcast` over a group this sender hosts at `master_address:master_port`, or `tensor`
+    (colocated engines: handles over HTTP; the address, port and group are not used).
     """
 
     def __init__(
@@ -100,6 +114,8 @@ class WeightSync:
         device: torch.device | str | None = None,
         wire_format: WireFormat | None = None,
         group_name: str | None = None,
+        pause: bool = True,
+        transport: SyncTransport = SyncTransport.broadcast,
     ) -> None:
         if not clients:
             raise ValueError("WeightSync needs at least one engine client")
@@ -130,6 +146,8 @@ class WeightSync:
         self.world_size = 1 + sum(ranks)
         self.load_format = load_format
         self.wire_format = wire_format
+        self.pause = pause
+        self.transport_kind = SyncTransport(transport)
         if device is None:
             device = "cpu" if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
         self.device = torch.device(device)
@@ -138,7 +156,7 @@ class WeightSync:
         # engines in opposite orders would deadlock the broadcasts.
         self.bucket_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
         self._pg: Any = None
-        self.transport: BroadcastTransport | None = None
+        self.transport: BroadcastTransport | TensorTransport | None = None
         self._broken: str | None = None
         self._http: LoopThread | None = None
         self._lock = threading.Lock()
@@ -146,7 +164,7 @@ class WeightSync:
     # ------------------------------------------------------------------------------------------ plumbing
     @property
     def connected(self) -> bool:
-        return self._pg is not None
+        return self.transport is not None
 
     def _loop(self) -> LoopThread:
         if self._http is None:
@@ -171,11 +189,24 @@ class WeightSync:
 
     # ------------------------------------------------------------------------------------------ connect
     def connect(self) -> None:
-        """Create the group: every engine joins from its POST while this process joins as rank 0."""
+        """Create the group: every engine joins from its POST while this process joins as rank 0
+        (`tensor`: nothing to join, the transport only needs the engines' HTTP)."""
         with self._lock:
-            if self._pg is not None:
+            if self.transport is not None:
                 raise WeightSyncError("already connected; call close() before connect()")
             loop = self._loop()
+            if self.transport_kind == SyncTransport.tensor:
+                self.transport = TensorTransport(
+                    self.clients,
+                    loop,
+                    device=self.device,
+                    timeout_s=self.cfg.timeout_s,
+                    load_format=self.load_format,
+                    engine_ranks=self.engine_ranks,
+                )
+                self._broken = None
+                log.info("weights go to %d colocated engine(s) by tensor handles", len(self.clients))
+                return
             posts, offset = [], 1
             for client, ranks in zip(self.clients, self.engine_ranks, strict=True):
                 coro = client.init_weights_update_group(
@@ -246,7 +277,8 @@ class WeightSync:
     def push(
         self, named_weights: Iterable[NamedTensor], version: str, *, record_checksums: bool = False
     ) -> SyncStats:
-        """Pause, open a session, send every bucket, close, flush, set the version, continue.
+        """Open a session (pausing first when `pause`), send every bucket (the last one sets the version
+        and flushes), close the session.
 
         `record_checksums` keeps the sha256 of every tensor as it leaves the pipeline (before the
         transport), for comparison with what the engines hold. On failure the engines stay paused with a
@@ -259,7 +291,7 @@ class WeightSync:
         except Exception:
             self.abandon_update()
             raise
-        self.finish_update(version)
+        self.finish_update(None)
         stats.seconds = time.monotonic() - start
         log.info(
             "weights %s pushed: %d tensors in %d buckets, %.1f MB in %.2f s (%.3f GB/s)",
@@ -268,20 +300,21 @@ class WeightSync:
         return stats
 
     def begin_update(self) -> None:
-        """Pause generation and open the engines' weight-update session: sends may follow."""
+        """Open the engines' weight-update session (pausing generation first when `pause`)."""
         with self._lock:
             self._check_usable()
-            self._call_all("pause_generation", mode=self.cfg.pause_mode)
+            if self.pause:
+                self._call_all("pause_generation", mode=self.cfg.pause_mode)
             self._call_all("begin_weight_update")
 
     def send(
         self, named_weights: Iterable[NamedTensor], version: str | None, *, record_checksums: bool = False
     ) -> SyncStats:
         """Every bucket of `named_weights` over this group, inside an open session; `version` (or None)
-        rides on the last bucket. `seconds` is the time spent here."""
+        rides on the last bucket, which then also flushes the cache. `seconds` is the time spent here."""
         with self._lock:
             self._check_usable()
-            stats = SyncStats()
+            stats = SyncStats(transport=self.transport_kind)
             start = time.monotonic()
             try:
                 self._send_all(named_weights, version, stats, record_checksums)
@@ -299,22 +332,26 @@ class WeightSync:
             except WeightSyncError as exc:
                 log.warning("after a failed push: %s", exc)
 
-    def finish_update(self, version: str) -> None:
-        """Close the session (the engines' post-load processing), flush, set the version, continue."""
+    def finish_update(self, version: str | None) -> None:
+        """Close the session (the engines' post-load processing) and continue generation if paused.
+        `version`: not yet delivered on a bucket (several senders): flush and set it here."""
         with self._lock:
             self._call_all("end_weight_update")
-            try:
-                self._call_all("flush_cache")
-            except WeightSyncError as exc:
-                if self.cfg.pause_mode != "in_place":
-                    raise
-                # in_place keeps the paused requests and their (now stale) KV: flushing is refused then
-                log.warning("cache not flushed after an in_place pause (stale KV kept): %s", exc)
-            self._call_all("update_weight_version", version, abort_all_requests=False)
-            self._call_all("continue_generation")
+            if version is not None:
+                if self.flush_with_update:
+                    self._call_all("flush_cache")
+                self._call_all("update_weight_version", version, abort_all_requests=False)
+            if self.pause:
+                self._call_all("continue_generation")
+
+    @property
+    def flush_with_update(self) -> bool:
+        """An in_place pause keeps the paused requests and their (now stale) KV: SGLang refuses to flush
+        while requests are held, so the cache is kept (the price of in_place)."""
+        return not (self.pause and self.cfg.pause_mode == "in_place")
 
     def _check_usable(self) -> None:
-        if self._pg is None or self.transport is None:
+        if self.transport is None:
             raise WeightSyncError("not connected: call connect() before push()")
         if self._broken:
             raise WeightSyncError(
@@ -344,7 +381,10 @@ class WeightSync:
             what = f"bucket {stats.buckets} ({len(current)} tensors from {current[0][0]})"
             with self.bucket_lock:
                 mark = time.monotonic()
-                stats.bytes += self.transport.send(current, version if following is None else None, what)
+                last = following is None and version is not None
+                stats.bytes += self.transport.send(
+                    current, version if last else None, what, flush_cache=last and self.flush_with_update
+                )
                 stats.transfer_seconds += time.monotonic() - mark
             stats.buckets += 1
             stats.tensors += len(current)
@@ -367,6 +407,7 @@ class WeightSync:
                     errors.append(f"trainer: {exc!r}")
                 cf.wait([f for _, f in posts], timeout=30)
                 errors += [post_error(c, f) for c, f in posts if not f.done() or f.exception() is not None]
+            self.transport, self._broken = None, None
             if self._http is not None:
                 http, self._http = self._http, None
                 http.stop([c.aclose() for c in self.clients if hasattr(c, "aclose")])

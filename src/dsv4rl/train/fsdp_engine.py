@@ -26,9 +26,11 @@ from dsv4rl.algo.loss import (
     ENTROPY,
     KL,
     LOSS,
+    NUM_STEP_SUMS,
     gradient_scale,
     micro_batch_loss,
     normaliser_share,
+    reuses_policy_forward,
     rollout_corrections,
     step_metrics,
     step_sums,
@@ -102,6 +104,8 @@ class FSDPTrainEngine:
             ),
         )
         self.step = 0  # completed train_step calls
+        # False forces the separate old-policy forward even when the training forward could serve (tests)
+        self.reuse_policy_forward = True
 
     # ------------------------------------------------------------------ model
     def _load(self, model_path: str, trainable: bool) -> torch.nn.Module:
@@ -192,16 +196,19 @@ class FSDPTrainEngine:
             )
 
         self.model.eval()
-        old = (
-            batch.old_logprobs
-            if batch.old_logprobs is not None
-            else self._masked_logprobs(self.model, batch, temp)
-        )
         ref = batch.ref_logprobs
         if self.ref_model is not None and ref is None:
             ref = self._masked_logprobs(self.ref_model, batch, temp)
-        tis, corrections = rollout_corrections(algo, old, batch.rollout_logprobs, batch.loss_mask)
-        stats = step_sums(old, batch.rollout_logprobs, batch.loss_mask, corrections, ref is not None)
+        reuse = self.reuse_policy_forward and reuses_policy_forward(updates, batch.old_logprobs is not None)
+        if reuse:  # the old log-probs come from each micro-batch's training forward below
+            old = tis = None
+            stats = torch.zeros(NUM_STEP_SUMS, dtype=torch.float64, device=self.device)
+        else:
+            old = batch.old_logprobs
+            if old is None:
+                old = self._masked_logprobs(self.model, batch, temp)
+            tis, corrections = rollout_corrections(algo, old, batch.rollout_logprobs, batch.loss_mask)
+            stats = step_sums(old, batch.rollout_logprobs, batch.loss_mask, corrections, ref is not None)
         grad_norms, lrs = [], []
         row = 0
         for mini in batch.split(updates):
@@ -216,16 +223,26 @@ class FSDPTrainEngine:
                 rows = slice(row, row + micro.size)
                 row += micro.size
                 logp, logits = self._micro_logprobs(self.model, m.input_ids, temp)
+                if reuse:
+                    micro_old = logp.detach()
+                    micro_tis, corrections = rollout_corrections(
+                        algo, micro_old, m.rollout_logprobs, m.loss_mask
+                    )
+                    stats += step_sums(
+                        micro_old, m.rollout_logprobs, m.loss_mask, corrections, ref is not None
+                    )
+                else:
+                    micro_old, micro_tis = old[rows, :n], None if tis is None else tis[rows, :n]
                 out = micro_batch_loss(
                     logp,
                     logits,
-                    old[rows, :n],
+                    micro_old,
                     m.advantages,
                     m.loss_mask,
                     algo,
                     temp,
                     ref_logprobs=None if ref is None else ref[rows, :n],
-                    tis_weights=None if tis is None else tis[rows, :n],
+                    tis_weights=micro_tis,
                 )
                 (out.loss_sum * scale).backward()
                 stats[LOSS] += out.loss_sum.detach() / denom

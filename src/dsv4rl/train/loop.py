@@ -4,13 +4,19 @@ Every training rank runs `RLLoop.run`; rank 0 also drives the engines (rollout a
 and writes metrics. The other ranks receive each step's batch from rank 0 and train on their
 shard; with pipeline stages, each stage's source rank sends its own stage's weights. Nothing here
 knows which train engine or which rollout engine is behind the seams.
+
+Colocated (`parallel.colocate`), the engines' memory moves around training (`dsv4rl.rollout.colocated`):
+rollout -> release -> train -> resume weights -> push by tensor handles -> resume KV cache -> next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,12 +27,14 @@ import torch.distributed as dist
 
 from dsv4rl.algo.dapo import keep_informative_groups, overlong_penalty
 from dsv4rl.algo.grpo import group_advantages
-from dsv4rl.config.schema import Config
+from dsv4rl.config.schema import Config, MemoryTag
 from dsv4rl.data.stream import PromptStream
 from dsv4rl.eval.periodic import PeriodicEval
+from dsv4rl.faults import heartbeat
 from dsv4rl.metrics import MetricsWriter, StepTimer
 from dsv4rl.reward.graders import Grader, grade_batch
 from dsv4rl.rollout.client import EngineClient
+from dsv4rl.rollout.colocated import KV_AND_GRAPHS, ColocatedEngines
 from dsv4rl.rollout.generate import generate_samples
 from dsv4rl.rollout.types import Sample
 from dsv4rl.sync.stages import StagedWeightSync
@@ -34,6 +42,7 @@ from dsv4rl.sync.verify import SyncVerifier
 from dsv4rl.sync.weight_sync import SyncStats
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.checkpoint import checkpoint_dir, latest_checkpoint
+from dsv4rl.train.rollout_ahead import RolloutAhead, overlap_seconds, staleness
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,7 @@ class Driver:
     event_loop: asyncio.AbstractEventLoop
     verifier: SyncVerifier
     evaluator: PeriodicEval | None = None  # the recipe's eval set every eval.every_steps steps
+    colocated: ColocatedEngines | None = None  # parallel.colocate: the engines' memory around training
 
 
 class TrainEngine(Protocol):
@@ -94,11 +104,12 @@ def shape_rewards(cfg: Config, samples: list[Sample], rewards: list[float]) -> t
     return reward
 
 
-def sync_metrics(stats: SyncStats | None) -> dict[str, float]:
-    """Where one weight sync's time went, for metrics.jsonl."""
+def sync_metrics(stats: SyncStats | None) -> dict[str, float | str]:
+    """Where one weight sync's time went, and how it travelled (broadcast or tensor), for metrics.jsonl."""
     if stats is None:
         return {"sync_bytes": 0, "sync_gb_per_s": 0.0}
     return {
+        "sync_transport": stats.transport.value,
         "sync_bytes": stats.bytes,
         "sync_gb_per_s": stats.gb_per_s,
         "sync_transfer_s": stats.transfer_seconds,
@@ -132,6 +143,12 @@ class RLLoop:
         self.checkpoint_root = run_dir / "checkpoints"
         self.writer: MetricsWriter | None = None
         self.syncs = 0  # weight syncs done by this process (the first one is always verified)
+        # algo.async_rollout: rank 0 generates the next step's batch while this one trains
+        self.ahead = (
+            RolloutAhead(lambda step: self.collect_batch(step, StepTimer(), background=True))
+            if cfg.algo.async_rollout and driver is not None
+            else None
+        )
 
     # ----------------------------------------------------------------- setup
     def resume(self) -> int:
@@ -145,9 +162,12 @@ class RLLoop:
                     "resume=true but %s has no checkpoint: starting from step 0", self.checkpoint_root
                 )
             return 0
+        heartbeat.enter("resume")
         extra = self.engine.load_checkpoint(str(checkpoint))  # also restores each rank's RNG states
         if self.driver is not None:
             self.driver.stream.load_state_dict(extra["data"])
+        if self.ahead is not None and extra.get("pending_rollout") is not None:
+            self.ahead.restore(extra["pending_rollout"])  # generated before the stop, not yet trained
         if self.rank == 0:
             log.info("resumed from %s (step %d)", checkpoint, extra["step"])
         return int(extra["step"])
@@ -158,18 +178,38 @@ class RLLoop:
         if self.driver is not None:  # a resumed run drops the lines of steps after its checkpoint
             self.writer = MetricsWriter(self.driver.metrics_path, resume_from_step=start)
         # The engines start from the model directory; after a resume they must hold the resumed weights.
+        heartbeat.enter("sync", start)
         self.sync_weights(version=start)
-        for step in range(start + 1, self.cfg.train.steps + 1):
-            self.step(step)
-            every = self.cfg.train.checkpoint_every
-            if every and (step % every == 0 or step == self.cfg.train.steps):
-                self.save_checkpoint(step)
+        try:
+            for step in range(start + 1, self.cfg.train.steps + 1):
+                self.step(step)
+                every = self.cfg.train.checkpoint_every
+                if every and (step % every == 0 or step == self.cfg.train.steps):
+                    self.save_checkpoint(step)
+        finally:
+            if self.ahead is not None:
+                self.ahead.close()
+        heartbeat.enter("shutdown", self.cfg.train.steps)
+
+    @staticmethod
+    @contextmanager
+    def phase(timer: StepTimer, name: str, step: int) -> Iterator[None]:
+        """Time a phase of the step, and tell the supervisor's hang watchdog that this rank entered it."""
+        heartbeat.enter(name, step)
+        with timer.phase(name):
+            yield
 
     def step(self, step: int) -> None:
         timer = StepTimer()
-        batch, rollout_metrics = self.collect_batch(step, timer) if self.rank == 0 else (None, {})
+        if self.rank != 0:
+            heartbeat.enter("wait_batch", step)  # for rank 0's batch
+        batch, rollout_metrics = self.rollout(step, timer) if self.rank == 0 else (None, {})
+        if self.driver is not None and self.driver.colocated is not None:
+            with self.phase(timer, "offload", step):  # colocated: the engines give the devices back
+                self.driver.colocated.release()
         batch = self.share_batch(batch)
-        with timer.phase("train"):
+        train_start = time.monotonic()
+        with self.phase(timer, "train", step):
             train_metrics = self.engine.train_step(
                 batch.shard(
                     self.engine.data_parallel_rank,
@@ -178,20 +218,47 @@ class RLLoop:
                 ),
                 temperature=self.cfg.algo.sampling.temperature,
             )
-        with timer.phase("sync"):
-            sync_stats, verify_metrics = self.sync_weights(version=step)
+        if self.ahead is not None:  # the engines finish the next batch on these weights, then take new ones
+            train_end = time.monotonic()
+            with self.phase(timer, "wait_rollout", step):
+                upcoming = self.ahead.wait()
+            if upcoming is not None:
+                rollout_metrics["async_overlap_s"] = overlap_seconds(upcoming, train_start, train_end)
+        with self.phase(timer, "sync", step):
+            sync_stats, due = self.push_weights(version=step)
+        with self.phase(timer, "verify", step):
+            verify_metrics = self.verify_sync(step, sync_stats, due)
         eval_metrics = {}
         evaluator = self.driver.evaluator if self.driver is not None else None
         if evaluator is not None and evaluator.due(step):
-            with timer.phase("eval"):  # the engines hold this step's weights now
+            with self.phase(timer, "eval", step):  # the engines hold this step's weights now
                 eval_metrics = evaluator.run(step)
         if self.driver is not None:
-            metrics = {"step": step, **rollout_metrics, **train_metrics, **timer.as_metrics()}
+            metrics = {"step": step, **train_metrics, **timer.as_metrics(), **rollout_metrics}
             metrics.update(sync_metrics(sync_stats), **verify_metrics, **eval_metrics)
             self.writer.write(metrics)
 
     # -------------------------------------------------------- rank 0: rollout
-    def collect_batch(self, step: int, timer: StepTimer) -> tuple[TrainBatch, dict[str, float]]:
+    def rollout(self, step: int, timer: StepTimer) -> tuple[TrainBatch, dict[str, float]]:
+        """This step's batch: generated now, or (async) the one generated while the last step trained,
+        whose rollout and reward times it carries; then the next step's rollout starts."""
+        if self.ahead is None:
+            return self.collect_batch(step, timer)
+        with self.phase(timer, "wait_rollout", step):  # only the first step (or a resume) waits here
+            ready = self.ahead.take(step)
+        if step < self.cfg.train.steps:
+            self.ahead.submit(step + 1)
+        return ready.batch, dict(ready.metrics)
+
+    def collect_batch(
+        self, step: int, timer: StepTimer, background: bool = False
+    ) -> tuple[TrainBatch, dict[str, float]]:
+        """Rollout and reward of `step`'s prompts. `background` (async): on a thread of its own, so the
+        phases are timed into the metrics, not reported to the watchdog as the rank's phase."""
+
+        def phase(name: str) -> contextlib.AbstractContextManager:
+            return timer.phase(name) if background else self.phase(timer, name, step)
+
         driver = self.driver
         algo = self.cfg.algo
         problems = driver.stream.next_batch()
@@ -202,7 +269,7 @@ class RLLoop:
         attempt = 0
         wanted = len(problems) * algo.group_size
         while True:
-            with timer.phase("rollout"):
+            with phase("rollout"):
                 samples = driver.event_loop.run_until_complete(
                     generate_samples(
                         driver.clients,
@@ -215,7 +282,7 @@ class RLLoop:
                         else None,
                     )
                 )
-            with timer.phase("reward"):
+            with phase("reward"):
                 raw = grade_batch(
                     driver.grader, [s.response_text for s in samples], [s.answer for s in samples]
                 )
@@ -251,7 +318,11 @@ class RLLoop:
             "truncated_fraction": truncated / len(all_lengths),
             "samples": len(all_rewards),
             "samples_trained": len(kept),
+            # the weights this batch trains are version step - 1: how far behind they were generated
+            **staleness([s.weight_version for s in kept], step - 1),
         }
+        if background:
+            metrics.update({f"time_{name}_s": seconds for name, seconds in timer.seconds.items()})
         return batch, metrics
 
     def fit_to_data_parallel(self, samples: list[Sample]) -> list[Sample]:
@@ -279,17 +350,30 @@ class RLLoop:
 
     # ------------------------------------------------------------ weight sync
     def sync_weights(self, version: int) -> tuple[SyncStats | None, dict[str, float]]:
-        """Every rank takes part in gathering full tensors; rank 0 (and each other pipeline stage's
-        source rank) broadcasts them to the engines.
+        """Push the weights, then run the checks that are due (`push_weights`, `verify_sync`)."""
+        stats, due = self.push_weights(version)
+        return stats, self.verify_sync(version, stats, due)
 
-        Then, when due (sync.verify), the checks: checksums on rank 0, and the log-prob probe, whose
-        trainer forward is collective. A failed check raises on rank 0 and the run stops.
-        """
+    def push_weights(self, version: int) -> tuple[SyncStats | None, bool]:
+        """Every rank takes part in gathering full tensors; rank 0 (and each other pipeline stage's
+        source rank) broadcasts them to the engines. Returns the stats (rank 0) and whether the checks of
+        `sync.verify` are due after this sync (the first one always is)."""
         verify = self.cfg.sync.verify
         due = self.syncs == 0 or version % max(verify.every_steps, 1) == 0
         self.syncs += 1
+        colocated = self.driver.colocated if self.driver is not None else None
+        if colocated is not None:  # room for the update first; the KV cache once the push is done
+            colocated.resume([MemoryTag.weights])
         named = self.engine.named_weights_for_sync(by_stage=self.weight_sync.by_stage)
         stats = self.weight_sync.push(named, version=str(version), record_checksums=due and verify.checksum)
+        if colocated is not None:
+            colocated.resume(KV_AND_GRAPHS)
+        return stats, due
+
+    def verify_sync(self, version: int, stats: SyncStats | None, due: bool) -> dict[str, float]:
+        """The checks of `sync.verify` when `due`: checksums on rank 0, and the log-prob probe, whose
+        trainer forward is collective. A failed check raises on rank 0 and the run stops."""
+        verify = self.cfg.sync.verify
         metrics: dict[str, float] = {}
         if due and verify.checksum and self.driver is not None:
             metrics.update(self.driver.verifier.check_checksums(stats.checksums, version))
@@ -297,10 +381,13 @@ class RLLoop:
             trainer_logprobs = self.engine.compute_logprobs(self.probe, temperature=1.0)
             if self.driver is not None:
                 metrics.update(self.driver.verifier.check_probe(self.probe, trainer_logprobs, version))
-        return stats, metrics
+        return metrics
 
     # ------------------------------------------------------------- checkpoint
     def save_checkpoint(self, step: int) -> None:
         """Model, optimizer, RNG states (saved by the engine) plus the step and the data cursor."""
+        heartbeat.enter("checkpoint", step)
         extra = {"step": step, "data": self.driver.stream.state_dict() if self.driver is not None else None}
+        if self.ahead is not None:  # the next step's batch, generated before this checkpoint
+            extra["pending_rollout"] = self.ahead.pending
         self.engine.save_checkpoint(str(checkpoint_dir(self.checkpoint_root, step)), extra)

@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,17 +28,19 @@ from dsv4rl.config.rules_quant import engine_env
 from dsv4rl.config.schema import Config
 from dsv4rl.data.stream import build_prompt_stream
 from dsv4rl.eval.periodic import PeriodicEval
-from dsv4rl.launcher.engine_keys import engine_keys_from_env
-from dsv4rl.launcher.plan import engine_urls, source_model_dir
-from dsv4rl.model.tiny import load_tokenizer
+from dsv4rl.faults.child import child_process
+from dsv4rl.model.tiny import load_tokenizer, source_model_dir
 from dsv4rl.quant.formats import WireFormat
 from dsv4rl.reward.graders import get_grader
 from dsv4rl.rollout.client import EngineClient
+from dsv4rl.rollout.colocated import ColocatedEngines
+from dsv4rl.rollout.engine_keys import run_engine_keys
 from dsv4rl.sync.served_format import check_served_formats
-from dsv4rl.sync.sources import weight_sync_sources
+from dsv4rl.sync.sources import sync_transport, weight_sync_sources
 from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.sync.verify import SyncVerifier, probe_sequences
 from dsv4rl.sync.weight_sync import WeightSync
+from dsv4rl.topology import topology
 from dsv4rl.train.align import run_align
 from dsv4rl.train.engines import build_train_engine
 from dsv4rl.train.loop import Driver, RLLoop, TrainEngine
@@ -52,7 +55,8 @@ def seed_everything(seed: int) -> None:
 
 
 def engine_clients(cfg: Config) -> list[EngineClient]:
-    keys = engine_keys_from_env()  # engines beyond loopback answer only the run's keys
+    """A client per engine of the recipe's topology; engines beyond loopback answer only the run's keys."""
+    keys = run_engine_keys(cfg, Path(cfg.run.dir))
     return [
         EngineClient(
             url,
@@ -62,7 +66,7 @@ def engine_clients(cfg: Config) -> list[EngineClient]:
             api_key=keys.api_key if keys else None,
             admin_api_key=keys.admin_api_key if keys else None,
         )
-        for url in engine_urls(cfg)
+        for url in topology(cfg).engine_urls()
     ]
 
 
@@ -89,6 +93,7 @@ def build_driver(
         event_loop=event_loop,
         verifier=SyncVerifier(clients, cfg.sync.verify, cfg.quant.name, event_loop),
         evaluator=evaluator,
+        colocated=ColocatedEngines(clients, event_loop) if cfg.parallel.colocate else None,
     )
 
 
@@ -122,13 +127,28 @@ def build_weight_sync(
             master_port=mine.port,
             engine_ranks=[ranks_per_engine] * len(clients),
             group_name=mine.group_name,
+            pause=False,  # the loop syncs between rollouts: no request is in flight to pause
+            transport=sync_transport(cfg),  # colocated: by tensor handles, no group
         )
     return StagedWeightSync(sources, rank, sender)
+
+
+def wait_for_engines(cfg: Config, clients: list[EngineClient], event_loop: asyncio.AbstractEventLoop) -> None:
+    """Until every engine answers /health_generate (engine.startup_timeout_s): the trainer starts while the
+    engines load, so its own start-up overlaps theirs."""
+    started = time.monotonic()
+
+    async def all_healthy() -> None:
+        await asyncio.gather(*(client.wait_healthy(cfg.engine.startup_timeout_s) for client in clients))
+
+    event_loop.run_until_complete(all_healthy())
+    log.info("%d engine(s) healthy after %.1f s", len(clients), time.monotonic() - started)
 
 
 def connect(cfg: Config, weight_sync: StagedWeightSync, driver: Driver | None, model_path: str) -> None:
     """Join the weight-update groups, then learn what the engines serve: the wire format follows it."""
     if driver is not None:
+        wait_for_engines(cfg, list(driver.clients), driver.event_loop)
         log.info(
             "joining %d weight-update group(s) with %d engine(s)",
             len(weight_sync.sources),
@@ -218,4 +238,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with child_process("trainer", rank=int(os.environ.get("RANK", "0"))):  # torchrun's global rank
+        code = main()
+    sys.exit(code)

@@ -29,8 +29,10 @@ from dsv4rl.algo.loss import (
     ENTROPY,
     KL,
     LOSS,
+    NUM_STEP_SUMS,
     micro_batch_loss,
     normaliser_share,
+    reuses_policy_forward,
     rollout_corrections,
     step_metrics,
     step_sums,
@@ -102,6 +104,8 @@ class MegatronTrainEngine:
         )
         self.updates = 0  # optimizer steps taken (the learning-rate schedule's position)
         self.step = 0  # completed train_step calls
+        # False forces the separate old-policy forward even when the training forward could serve (tests)
+        self.reuse_policy_forward = True
         self.data_parallel_rank = parallel_state.get_data_parallel_rank()
         self.data_parallel_size = parallel_state.get_data_parallel_world_size()
         self.last_stage = parallel_state.is_pipeline_last_stage()
@@ -216,17 +220,20 @@ class MegatronTrainEngine:
                 f"{batch.size} sequences per replica do not split into algo.updates_per_step={updates}"
             )
         dp_group = parallel_state.get_data_parallel_group()
-        old = (
-            batch.old_logprobs
-            if batch.old_logprobs is not None
-            else self._masked_logprobs(self.ddp, batch, temp)
-        )
         ref = batch.ref_logprobs
         if self.ref_model is not None and ref is None:
             ref = self._masked_logprobs(self.ref_model, batch, temp)
-        tis, corrections = rollout_corrections(algo, old, batch.rollout_logprobs, batch.loss_mask)
-        # the batch-derived sums on every rank, the loss terms only where the last stage computes them
-        batch_sums = step_sums(old, batch.rollout_logprobs, batch.loss_mask, corrections, ref is not None)
+        reuse = self.reuse_policy_forward and reuses_policy_forward(updates, batch.old_logprobs is not None)
+        if reuse:  # the last stage takes the old log-probs from each micro-batch's training forward
+            old = tis = None
+            batch_sums = torch.zeros(NUM_STEP_SUMS, dtype=torch.float64, device=self.device)
+        else:
+            old = batch.old_logprobs
+            if old is None:
+                old = self._masked_logprobs(self.ddp, batch, temp)
+            tis, corrections = rollout_corrections(algo, old, batch.rollout_logprobs, batch.loss_mask)
+            # the batch-derived sums on every rank, the loss terms only where the last stage computes them
+            batch_sums = step_sums(old, batch.rollout_logprobs, batch.loss_mask, corrections, ref is not None)
         stats = torch.zeros_like(batch_sums)
         grad_norms, lrs = [], []
         row = 0
@@ -241,22 +248,35 @@ class MegatronTrainEngine:
                 rows = slice(data["row"], data["row"] + data["real"])
                 n = part.loss_mask.shape[1]
                 logprobs = token_logprobs(logits, part.input_ids, temp)
+                sums = torch.zeros(NUM_STEP_SUMS, dtype=torch.float64, device=logits.device)
+                if reuse:
+                    micro_old = logprobs.detach()
+                    micro_tis, corrections = rollout_corrections(
+                        algo, micro_old, part.rollout_logprobs, part.loss_mask
+                    )
+                    sums = step_sums(
+                        micro_old, part.rollout_logprobs, part.loss_mask, corrections, ref is not None
+                    )
+                else:
+                    micro_old = _rows(old, rows, part.size)[:, :n]
+                    micro_tis = None if tis is None else _rows(tis, rows, part.size)[:, :n]
                 out = micro_batch_loss(
                     logprobs,
                     logits,
-                    _rows(old, rows, part.size)[:, :n],
+                    micro_old,
                     part.advantages,
                     part.loss_mask,
                     algo,
                     temp,
                     ref_logprobs=None if ref is None else _rows(ref, rows, part.size)[:, :n],
-                    tis_weights=None if tis is None else _rows(tis, rows, part.size)[:, :n],
+                    tis_weights=micro_tis,
                 )
                 report = {
                     "loss": out.loss_sum.detach() / denom,
                     "entropy": out.entropy_sum,
                     "clipped": out.clipped_tokens,
                     "ref_kl": out.ref_kl_sum if out.ref_kl_sum is not None else torch.zeros(()),
+                    "batch_sums": sums,
                 }
                 return out.loss_sum / denom, torch.tensor(1), report
 
@@ -274,6 +294,7 @@ class MegatronTrainEngine:
                 stats[ENTROPY] += item["entropy"]
                 stats[CLIPPED] += item["clipped"]
                 stats[KL] += item["ref_kl"]
+                stats += item["batch_sums"]  # zero unless the old log-probs came from this forward
             grad_norms.append(self.optimizer.step())
             lrs.append(lr)
             self.updates += 1

@@ -11,17 +11,16 @@ import pytest
 import yaml
 
 from dsv4rl.config.schema import Config
-from dsv4rl.launcher.engine_keys import (
+from dsv4rl.rollout.engine_keys import (
     ADMIN_KEY_ENV,
     API_KEY_ENV,
-    KEYS_FILE_ENV,
     EngineKeys,
     EngineKeysError,
     engine_keys_file,
-    engine_keys_from_env,
     engines_need_keys,
     ensure_engine_keys_file,
     read_engine_keys,
+    run_engine_keys,
 )
 
 
@@ -81,7 +80,10 @@ def test_keys_others_can_read_are_refused(tmp_path: Path) -> None:
         read_engine_keys(path)
 
 
-def test_trainer_reads_the_keys_the_planner_names(tmp_path: Path) -> None:
-    path = ensure_engine_keys_file(tmp_path, env={ADMIN_KEY_ENV: "k", API_KEY_ENV: "u"})
-    assert engine_keys_from_env({KEYS_FILE_ENV: str(path)}) == EngineKeys(api_key="u", admin_api_key="k")
-    assert engine_keys_from_env({}) is None
+def test_trainer_reads_the_keys_of_its_run_dir(tmp_path: Path) -> None:
+    """The trainer finds the keys where the planner put them (from the config, no environment variable)."""
+    ensure_engine_keys_file(tmp_path, env={ADMIN_KEY_ENV: "k", API_KEY_ENV: "u"})
+    cfg = Config()
+    assert run_engine_keys(cfg, tmp_path) is None  # loopback engines have no keys
+    cfg.engine.host = "0.0.0.0"
+    assert run_engine_keys(cfg, tmp_path) == EngineKeys(api_key="u", admin_api_key="k")

@@ -9,7 +9,7 @@ such engines get both keys, and only the run's trainer holds them.
 The keys are per run: the admin key is $DSV4RL_ENGINE_ADMIN_API_KEY when set (the same on every node), the
 api key $DSV4RL_ENGINE_API_KEY, each else random. They live in `<run.dir>/engine-keys.yaml` (mode 0600),
 a file SGLang reads with `--config` (keys as flag names, so nothing shows in `ps`) and the trainer reads
-through $DSV4RL_ENGINE_KEYS_FILE.
+from the run dir.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from dsv4rl.config.schema import Config
 
 ADMIN_KEY_ENV = "DSV4RL_ENGINE_ADMIN_API_KEY"  # set it to choose the admin key (the same on every node)
 API_KEY_ENV = "DSV4RL_ENGINE_API_KEY"
-KEYS_FILE_ENV = "DSV4RL_ENGINE_KEYS_FILE"  # where the trainer reads them (set by the planner)
 KEYS_FILE = "engine-keys.yaml"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -110,8 +109,7 @@ def read_engine_keys(path: Path) -> EngineKeys:
     return EngineKeys(api_key=data["api_key"], admin_api_key=data["admin_api_key"])
 
 
-def engine_keys_from_env(env: Mapping[str, str] | None = None) -> EngineKeys | None:
-    """The trainer's side: the keys file the planner named, or None (engines on loopback have no keys)."""
-    env = os.environ if env is None else env
-    path = env.get(KEYS_FILE_ENV)
-    return read_engine_keys(Path(path)) if path else None
+def run_engine_keys(cfg: Config, run_dir: Path) -> EngineKeys | None:
+    """The trainer's side: the run's keys when its engines need them (beyond loopback), else None. The
+    file's place follows from the run dir, as the planner's does: nothing is handed over by environment."""
+    return read_engine_keys(engine_keys_file(run_dir)) if engines_need_keys(cfg) else None

@@ -1,0 +1,316 @@
+"""The RL loop's step time against its floor, measured in one run.
+
+    python bench/loop_overhead.py [--quick] [--steps N] [--out bench/results/loop_overhead.json]
+
+The floor is what one tiny_arith step cannot do without, each part measured in this process on the same
+model, batch and threads the run gets:
+
+- generate: the reference engine's `Generator` (what serves /generate) producing the step's batch
+  (prompts_per_step x group_size seeded samples), called in-process: no HTTP, no client;
+- train: one forward + backward + optimizer step of that batch through transformers' model and the
+  shared loss (`dsv4rl.algo.loss.micro_batch_loss`), without the loop around it;
+- broadcast: the model's bytes broadcast over a gloo group to a peer process, as the sync sends them.
+
+Then `dsv4rl train recipe=tiny_arith` runs for `--steps` steps as a user runs it; its metrics.jsonl gives
+each phase's mean over the steps after the first two. Printed: step / floor and each phase over its own
+floor (rollout + reward vs generate, train vs train, sync vs broadcast), and the run's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import ROOT, bench_main, free_port, install_signal_handlers, run_meta
+
+DEFAULT_OUT = ROOT / "bench" / "results" / "loop_overhead.json"
+PHASES = ("rollout", "reward", "train", "sync", "eval")
+
+
+def tiny_arith(overrides: list[str]) -> Any:
+    from dsv4rl.config.compose import compose
+
+    return compose("tiny_arith", overrides)
+
+
+def step_prompts(cfg: Any) -> list[list[int]]:
+    """The token ids of the first step's prompts, as the loop encodes them."""
+    from dsv4rl.data.stream import build_prompt_stream
+    from dsv4rl.model.tiny import load_tokenizer
+    from dsv4rl.rollout.generate import encode_prompt
+
+    tokenizer = load_tokenizer(cfg.model)
+    return [encode_prompt(tokenizer, problem.prompt) for problem in build_prompt_stream(cfg).next_batch()]
+
+
+def measure_generate(model: torch.nn.Module, cfg: Any, prompts: list[list[int]], repeats: int) -> dict:
+    from dsv4rl.engine.generator import Generator, GenRequest
+    from dsv4rl.engine.sampling import SamplingParams
+
+    sampling = cfg.algo.sampling
+    generator = Generator(model, max_batch_size=cfg.engine.max_batch_size, deterministic=True)
+    runs, samples = [], []
+    try:
+        for repeat in range(repeats + 1):  # the first is a warm-up
+            requests = [
+                GenRequest(
+                    list(ids),
+                    SamplingParams(
+                        max_new_tokens=sampling.max_new_tokens,
+                        temperature=sampling.temperature,
+                        top_p=sampling.top_p,
+                        top_k=sampling.top_k,
+                        sampling_seed=1000 * repeat + i,
+                    ),
+                    return_logprob=True,
+                )
+                for i, ids in enumerate(ids for ids in prompts for _ in range(cfg.algo.group_size))
+            ]
+            start = time.perf_counter()
+            generator.submit(requests)
+            for request in requests:
+                request.done.wait()
+            if repeat:
+                runs.append(time.perf_counter() - start)
+            samples = requests
+    finally:
+        generator.close()
+    return {"seconds": min(runs), "runs_seconds": runs, "samples": len(samples)}, samples
+
+
+def measure_train(model_dir: str, cfg: Any, requests: list[Any], repeats: int) -> dict:
+    from dsv4rl.algo.grpo import token_logprobs
+    from dsv4rl.algo.loss import micro_batch_loss
+    from dsv4rl.model.native_checkpoint import load_native_model
+    from dsv4rl.rollout.types import Sample
+    from dsv4rl.train.batch import TrainBatch
+
+    model = load_native_model(model_dir, dtype=torch.float32).eval()
+    optim = cfg.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps)
+    samples = [
+        Sample(i // cfg.algo.group_size, r.input_ids, r.output_ids, r.output_logprobs, "", "length")
+        for i, r in enumerate(requests)
+    ]
+    for i, sample in enumerate(samples):
+        sample.advantage = 1.0 if i % 2 else -1.0
+    batch = TrainBatch.from_samples(samples, pad_id=0).trimmed()
+    temperature = cfg.algo.sampling.temperature
+    runs = []
+    for repeat in range(repeats + 1):
+        start = time.perf_counter()
+        logits = model(input_ids=batch.input_ids, use_cache=False).logits
+        logprobs = token_logprobs(logits, batch.input_ids, temperature)
+        out = micro_batch_loss(
+            logprobs,
+            logits,
+            logprobs.detach(),
+            batch.advantages,
+            batch.loss_mask,
+            cfg.algo,
+            temperature,
+        )
+        (out.loss_sum / batch.loss_mask.sum()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if repeat:
+            runs.append(time.perf_counter() - start)
+    return {
+        "seconds": min(runs),
+        "runs_seconds": runs,
+        "sequences": batch.size,
+        "width": batch.input_ids.shape[1],
+    }
+
+
+def serve_peer(port: int, shapes: list[tuple[list[int], str]]) -> None:
+    """Rank 1 of the broadcast group: on each `recv` line, receive every tensor into fresh memory."""
+    import torch.distributed as dist
+
+    from dsv4rl.sync.process_group import destroy_custom_process_group, init_custom_process_group
+
+    group = init_custom_process_group(
+        "gloo", f"tcp://127.0.0.1:{port}", world_size=2, rank=1, group_name="bench_loop", timeout=300
+    )
+    print("joined", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "recv":
+            break
+        received = [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in shapes]
+        works = [dist.broadcast(t, src=0, group=group, async_op=True) for t in received]
+        for work in works:
+            work.wait()
+        dist.barrier(group=group)
+    destroy_custom_process_group(group)
+
+
+def measure_broadcast(model: torch.nn.Module, repeats: int) -> dict:
+    import torch.distributed as dist
+
+    from dsv4rl.sync.process_group import destroy_custom_process_group, init_custom_process_group
+
+    tensors = [t.detach().contiguous() for t in model.state_dict().values()]
+    shapes = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
+    port = free_port()
+    peer = subprocess.Popen(
+        [sys.executable, __file__, "--peer", str(port), json.dumps(shapes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    group = init_custom_process_group(
+        "gloo", f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name="bench_loop", timeout=300
+    )
+    runs = []
+    try:
+        assert peer.stdout.readline().strip() == "joined"
+        for repeat in range(repeats + 1):
+            peer.stdin.write("recv\n")
+            peer.stdin.flush()
+            start = time.perf_counter()
+            works = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
+            for work in works:
+                work.wait()
+            dist.barrier(group=group)
+            if repeat:
+                runs.append(time.perf_counter() - start)
+    finally:
+        peer.stdin.write("exit\n")
+        peer.stdin.flush()
+        destroy_custom_process_group(group)
+        peer.wait(timeout=30)
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    return {"seconds": min(runs), "runs_seconds": runs, "bytes": size, "tensors": len(tensors)}
+
+
+def run_dsv4rl(steps: int, overrides: list[str], run_dir: Path) -> dict:
+    """`dsv4rl train recipe=tiny_arith` as a user runs it; the mean of each phase after the first 2 steps."""
+    argv = [
+        sys.executable,
+        "-m",
+        "dsv4rl.cli",
+        "train",
+        "recipe=tiny_arith",
+        f"run.dir={run_dir}",
+        "run.progress=false",
+        f"train.steps={steps}",
+        f"engine.port={free_port()}",
+        f"cluster.master_port={free_port()}",
+        f"cluster.weight_sync_port={free_port()}",
+        *overrides,
+    ]
+    start = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"dsv4rl train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
+        )
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = records[2:] or records
+    phases = {p: statistics.mean(r.get(f"time_{p}_s", 0.0) for r in steady) for p in PHASES}
+    step = statistics.mean(r["time_step_s"] for r in steady)
+    rewards = [r["reward_mean"] for r in records]
+    return {
+        "steps": steps,
+        "wall_s": wall,
+        "step_s": step,
+        **{f"{p}_s": v for p, v in phases.items()},
+        "other_s": step - sum(phases.values()),
+        "last10_reward": statistics.mean(rewards[-10:]),
+        "overrides": overrides,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from dsv4rl.launcher.plan import build_local_plan
+    from dsv4rl.model.native_checkpoint import load_native_model
+    from dsv4rl.model.tiny import materialize_model
+
+    install_signal_handlers()
+    start = time.perf_counter()
+    overrides = list(args.override)
+    cfg = tiny_arith(overrides)
+    repeats = 1 if args.quick else 3
+    steps = args.steps or (8 if args.quick else 40)
+    with tempfile.TemporaryDirectory(prefix="dsv4rl-loop-bench-") as tmp:
+        plan = build_local_plan(cfg, Path(tmp) / "plan")
+        trainer = next(spec for spec in plan if spec.role == "trainer")
+        threads = int(trainer.env.get("OMP_NUM_THREADS", torch.get_num_threads()))
+        torch.set_num_threads(threads)  # the floor runs on the threads the run's processes get
+        model_dir = materialize_model(cfg.model, str(Path(tmp) / "model"))
+        model = load_native_model(model_dir, dtype=torch.float32).eval()
+        prompts = step_prompts(cfg)
+        generate, requests = measure_generate(model, cfg, prompts, repeats)
+        train = measure_train(model_dir, cfg, requests, repeats)
+        broadcast = measure_broadcast(model, repeats)
+        floor = generate["seconds"] + train["seconds"] + broadcast["seconds"]
+        dsv4rl = run_dsv4rl(steps, overrides, Path(tmp) / "run")
+    ratios = {
+        "step_vs_floor": dsv4rl["step_s"] / floor,
+        "rollout_vs_generate": (dsv4rl["rollout_s"] + dsv4rl["reward_s"]) / generate["seconds"],
+        "train_vs_train": dsv4rl["train_s"] / train["seconds"],
+        "sync_vs_broadcast": dsv4rl["sync_s"] / broadcast["seconds"],
+    }
+    sizes = {"steps": steps, "repeats": repeats, "threads": threads, "samples": generate["samples"]}
+    meta = run_meta("loop_overhead", "quick" if args.quick else "full", sizes)
+    meta["wall_seconds"] = time.perf_counter() - start
+    return {
+        "meta": meta,
+        "floor": {"generate": generate, "train": train, "broadcast": broadcast, "seconds": floor},
+        "dsv4rl": dsv4rl,
+        "ratios": ratios,
+        "targets": {"step_vs_floor": 1.25},
+    }
+
+
+def print_report(result: dict[str, Any]) -> None:
+    floor, ours, ratios = result["floor"], result["dsv4rl"], result["ratios"]
+    print(f"tiny_arith, {result['meta']['sizes']['samples']} samples a step, "
+          f"{result['meta']['sizes']['threads']} thread(s) a process")  # fmt: skip
+    print(f"{'phase':<10}{'dsv4rl s':>10}{'floor s':>10}{'ratio':>8}")
+    rows = [
+        ("rollout", ours["rollout_s"] + ours["reward_s"], floor["generate"]["seconds"]),
+        ("train", ours["train_s"], floor["train"]["seconds"]),
+        ("sync", ours["sync_s"], floor["broadcast"]["seconds"]),
+        ("step", ours["step_s"], floor["seconds"]),
+    ]
+    for name, mine, base in rows:
+        print(f"{name:<10}{mine:>10.3f}{base:>10.3f}{mine / base:>8.2f}")
+    print(f"eval {ours['eval_s']:.3f} s/step on average, other {ours['other_s']:.3f} s/step")
+    print(f"dsv4rl train: {ours['steps']} steps in {ours['wall_s']:.1f} s from command to exit, "
+          f"last-10 reward {ours['last10_reward']:.3f}")  # fmt: skip
+    print(json.dumps({"ratios": ratios}, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--peer"]:
+        serve_peer(int(argv[1]), [(shape, dtype) for shape, dtype in json.loads(argv[2])])
+        return 0
+    return bench_main(
+        __doc__,
+        DEFAULT_OUT,
+        "8 steps and one repeat of each floor (about a minute)",
+        run,
+        print_report,
+        argv,
+        extra_args=[
+            (("--steps",), {"type": int, "default": 0, "help": "steps of the dsv4rl run (default 40)"}),
+            (("--override",), {"action": "append", "default": [], "help": "a recipe override (repeatable)"}),
+        ],
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Heartbeats: each process says which phase it is in, so the supervisor can tell a stuck step.
+
+A process writes `heartbeat-<process>.json` (`Beat`) when it enters a phase, not on a timer: a phase
+that stays the same for `run.step_timeout_s` is what the watchdog looks for, and a process that hangs
+could not keep a timer going anyway (a stuck collective holds the GIL). Two kinds of writers:
+
+- the trainer loop `enter`s its phases in order (rollout, reward, train, sync, eval, checkpoint) with
+  the step; `progress()` (a finished engine request) says a long phase is still moving;
+- a server (the engine) marks each piece of work `busy` (a generate batch, a weight update) and is
+  `idle` in between; concurrent pieces are tracked, the oldest is reported.
+
+One heartbeat per process, configured by `dsv4rl.faults.child`; without it these calls do nothing (a
+module run by hand, a test). The file names the pid, which the supervisor signals for stack dumps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dsv4rl.faults.files import read_json, write_json_atomic
+from dsv4rl.faults.inject import maybe_hang
+
+IDLE = "idle"
+START = "start"
+PROGRESS_WRITE_S = 1.0  # progress alone rewrites the file at most this often
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat file: where `process` (pid `pid` on `host`) is, and since when (wall clock)."""
+
+    process: str
+    pid: int
+    host: str
+    phase: str
+    step: int | None
+    since: float  # entered the phase (servers: started the work, or went idle)
+    progress_at: float  # the last sign of progress inside the phase
+    busy: bool  # a server in the middle of a piece of work
+
+    @property
+    def last_progress(self) -> float:
+        return max(self.since, self.progress_at)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Beat | None:
+        try:
+            step = data.get("step")
+            return cls(
+                process=str(data["process"]),
+                pid=int(data["pid"]),
+                host=str(data["host"]),
+                phase=str(data["phase"]),
+                step=None if step is None else int(step),
+                since=float(data["since"]),
+                progress_at=float(data.get("progress_at", data["since"])),
+                busy=bool(data.get("busy", False)),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def read_beat(path: Path) -> Beat | None:
+    data = read_json(path)
+    return None if data is None else Beat.from_json(data)
+
+
+class Heartbeat:
+    """The heartbeat file of this process; thread-safe (an engine's generator and HTTP threads share it)."""
+
+    def __init__(self, path: Path, process: str, clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self.process = process
+        self.pid = os.getpid()
+        self._host = socket.gethostname()
+        self._clock = clock
+        self._lock = threading.Lock()
+        now = clock()
+        self._phase, self._step, self._since = START, None, now
+        self._progress_at = now
+        self._written_at = float("-inf")
+        self._busy: dict[int, tuple[str, float]] = {}  # token -> (activity, since)
+        self._tokens = itertools.count()
+        self._write()
+
+    def enter(self, phase: str, step: int | None = None) -> None:
+        """This process is now in `phase` (of `step`) until it enters the next one."""
+        with self._lock:
+            self._phase, self._step, self._since = phase, step, self._clock()
+            self._write()
+        maybe_hang(self.process, phase, step)
+
+    @contextmanager
+    def busy(self, activity: str) -> Iterator[None]:
+        """A piece of a server's work; the process is `idle` again when no piece is left."""
+        with self._lock:
+            token = next(self._tokens)
+            self._busy[token] = (activity, self._clock())
+            self._write()
+        try:
+            maybe_hang(self.process, activity)
+            yield
+        finally:
+            with self._lock:
+                del self._busy[token]
+                if not self._busy:
+                    self._phase, self._step, self._since = IDLE, None, self._clock()
+                self._write()
+
+    def progress(self) -> None:
+        """The current phase moved on (e.g. an engine answered); written at most once a second."""
+        with self._lock:
+            self._progress_at = self._clock()
+            if self._progress_at - self._written_at >= PROGRESS_WRITE_S:
+                self._write()
+
+    def beat(self) -> Beat:
+        """What the file says now (the lock held)."""
+        if self._busy:
+            activity, since = min(self._busy.values(), key=lambda item: item[1])
+            phase, step, busy = activity, self._step, True
+        else:
+            phase, step, since, busy = self._phase, self._step, self._since, False
+        progress_at = max(self._progress_at, since)
+        return Beat(self.process, self.pid, self._host, phase, step, since, progress_at, busy)
+
+    def _write(self) -> None:
+        if os.getpid() != self.pid:  # a forked child (a worker pool) is not this process
+            return
+        self._written_at = self._clock()
+        with contextlib.suppress(OSError):  # a full disk must not stop the run
+            write_json_atomic(self.path, {**asdict(self.beat()), "written": self._written_at})
+
+
+_heartbeat: Heartbeat | None = None
+
+
+def configure(path: Path, process: str) -> Heartbeat:
+    """Make `path` this process's heartbeat (phase `start`); the module functions then write it."""
+    global _heartbeat
+    _heartbeat = Heartbeat(path, process)
+    return _heartbeat
+
+
+def current() -> Heartbeat | None:
+    return _heartbeat
+
+
+def enter(phase: str, step: int | None = None) -> None:
+    if _heartbeat is not None:
+        _heartbeat.enter(phase, step)
+
+
+@contextmanager
+def busy(activity: str) -> Iterator[None]:
+    if _heartbeat is None:
+        yield
+        return
+    with _heartbeat.busy(activity):
+        yield
+
+
+def progress() -> None:
+    if _heartbeat is not None:
+        _heartbeat.progress()

@@ -1,0 +1,222 @@
+"""The supervisor's hang watchdog and root causes, with small fake children that use `dsv4rl.faults` as
+the real engine and trainer do (a hang injected through DSV4RL_INJECT_HANG, an exception, a rank killed
+by a signal under a real torchrun), and one real trainer rank that fails on start."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from dsv4rl.faults.inject import HANG_ENV
+from dsv4rl.launcher.plan import ProcessSpec
+from dsv4rl.launcher.supervisor import Supervisor
+
+ENGINE = r"""
+import http.server, sys
+from dsv4rl.faults import heartbeat
+from dsv4rl.faults.child import child_process
+
+class Engine(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/generate":
+            with heartbeat.busy("generate"):
+                pass
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+with child_process("engine"):
+    http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Engine).serve_forever()
+"""
+
+TRAINER = r"""
+import sys, time, urllib.request
+from dsv4rl.faults import heartbeat
+from dsv4rl.faults.child import child_process
+
+port, mode = int(sys.argv[1]), sys.argv[2]
+
+def generate():
+    urllib.request.urlopen(f"http://127.0.0.1:{port}/generate", timeout=600).read()
+    heartbeat.progress()  # as EngineClient does on every answer
+
+def rollout(step):
+    heartbeat.enter("rollout", step)
+    slow = mode == "slow" and step == 1  # a 3 s rollout that keeps getting answers
+    for _ in range(15 if slow else 1):
+        generate()
+        time.sleep(0.2 if slow else 0)
+
+def train(step):
+    heartbeat.enter("train", step)
+    time.sleep(0.05)
+
+def run_steps():
+    for step in (1, 2, 3):
+        rollout(step)
+        train(step)
+    if mode == "raise":
+        raise ValueError("the batch has no samples")
+
+with child_process("trainer", rank=0):
+    run_steps()
+"""
+
+RANK = r"""
+import os, signal, sys, time
+from dsv4rl.faults import heartbeat
+from dsv4rl.faults.child import child_process
+
+def train(rank, mode):
+    heartbeat.enter("train", 1)
+    if rank == 1 and mode == "kill":
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)  # rank 0: until torchrun stops it
+
+with child_process("trainer", rank=int(os.environ["RANK"])):
+    train(int(os.environ["RANK"]), sys.argv[1])
+"""
+
+
+def line_of(source: str, text: str) -> int:
+    """The line of `text` in a `python -c` script, as its traceback numbers it."""
+    return next(number for number, line in enumerate(source.splitlines(), 1) if text in line)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spec(run_dir: Path, name: str, role: str, argv: list[str], **env: str) -> ProcessSpec:
+    return ProcessSpec(
+        name=name,
+        argv=argv,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        log_path=run_dir / "logs" / f"{name}.log",
+        role=role,
+        health_url=f"http://127.0.0.1:{argv[-1]}/health_generate" if role == "engine" else None,
+    )
+
+
+def fake_run(run_dir: Path, mode: str = "ok", **env: str) -> list[ProcessSpec]:
+    port = str(free_port())
+    return [
+        spec(run_dir, "engine-0", "engine", [sys.executable, "-c", ENGINE, port], **env),
+        spec(run_dir, "trainer", "trainer", [sys.executable, "-c", TRAINER, port, mode], **env),
+    ]
+
+
+def torchrun(run_dir: Path, mode: str) -> ProcessSpec:
+    script = run_dir / "rank.py"
+    script.write_text(RANK)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-port", str(free_port()), str(script), mode]  # fmt: skip
+    return spec(run_dir, "trainer", "trainer", argv)
+
+
+def supervise(specs: list[ProcessSpec], run_dir: Path, **kwargs) -> tuple[int, str, Supervisor]:
+    out = io.StringIO()
+    console = Console(file=out, width=200, force_terminal=False, color_system=None)
+    sup = Supervisor(
+        specs, run_dir, console=console, grace_s=5.0, poll_s=0.05, startup_timeout_s=30.0, **kwargs
+    )
+    code = sup.run()
+    assert not sup.tracker.alive(), "a process outlived the run"
+    return code, out.getvalue(), sup
+
+
+def test_a_hung_trainer_makes_every_process_dump_its_stacks_then_the_run_stops(tmp_path):
+    specs = fake_run(tmp_path, **{HANG_ENV: "trainer:train:2"})
+    code, out, sup = supervise(specs, tmp_path, step_timeout_s=1.5)
+    assert code == 1 and sup.hang is not None
+    named = (
+        r"hang: no progress for [\d.]+ s in phase train at step 2 \(run.step_timeout_s=1.5\): "
+        r"trainer-rank0 did not advance, stuck in train at step 2"
+    )
+    assert re.search(named, out), out
+    logs = tmp_path / "logs"
+    assert f"Python stacks: {logs / 'stacks-trainer-rank0.txt'}\n" in out
+    assert f"Python stacks: {logs / 'stacks-engine-0.txt'}\n" in out
+    assert "no dump came" not in out
+    trainer_stacks = (logs / "stacks-trainer-rank0.txt").read_text()
+    assert "stacks requested: hang: no progress" in trainer_stacks
+    assert "in train\n" in trainer_stacks and "in run_steps\n" in trainer_stacks  # where it hangs
+    assert "in serve_forever" in (logs / "stacks-engine-0.txt").read_text()
+    assert re.search(r"engine-0: idle for [\d.]+ s \(pid \d+\)", out)
+    assert "status" in out and "hung" in out
+
+
+def test_an_engine_stuck_in_generate_is_named_while_the_trainer_waits_in_rollout(tmp_path):
+    specs = fake_run(tmp_path, **{HANG_ENV: "engine-0:generate"})
+    code, out, _ = supervise(specs, tmp_path, step_timeout_s=1.5)
+    assert code == 1
+    named = (
+        r"in phase rollout at step 1 \(run.step_timeout_s=1.5\): engine-0 did not advance, "
+        r"busy in generate for [\d.]+ s while trainer-rank0 waits on it in rollout at step 1"
+    )
+    assert re.search(named, out), out
+    engine_stacks = (tmp_path / "logs" / "stacks-engine-0.txt").read_text()
+    assert "in do_GET" in engine_stacks and "in block_forever" in engine_stacks
+    assert "in generate" in (tmp_path / "logs" / "stacks-trainer-rank0.txt").read_text()
+
+
+def test_a_long_phase_that_keeps_progressing_is_no_hang(tmp_path):
+    code, out, sup = supervise(fake_run(tmp_path, "slow"), tmp_path, step_timeout_s=2.0)
+    assert code == 0 and sup.hang is None and "hang" not in out
+
+
+def test_a_trainer_exception_is_shown_as_the_root_cause(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    stale = {"process": "trainer-rank0", "pid": 1, "time": 1.0, "type": "OSError", "message": "earlier run",
+             "frame": "x.py:1 in f", "project_frame": None, "traceback": ""}  # fmt: skip
+    (logs / "crash-trainer-rank0.json").write_text(json.dumps(stale))
+    code, out, _ = supervise(fake_run(tmp_path, "raise"), tmp_path, step_timeout_s=30)
+    assert code == 1
+    assert "trainer exited with code 1" in out and "earlier run" not in out
+    raised_at = line_of(TRAINER, 'raise ValueError("the batch has no samples")')
+    headline = f"ValueError: the batch has no samples (at <string>:{raised_at} in run_steps)"
+    assert f"root cause: trainer-rank0: {headline}" in out
+    assert "trainer-rank0's traceback" in out and f'File "<string>", line {raised_at}, in run_steps' in out
+    assert "crash_report.py" not in out  # the traceback starts at the child's own code
+    assert f"crash report: {logs / 'crash-trainer-rank0.json'}\nfull log: {logs / 'trainer.log'}\n" in out
+
+
+def test_a_rank_killed_by_a_signal_is_named_from_torchrun(tmp_path):
+    code, out, _ = supervise([torchrun(tmp_path, "kill")], tmp_path)
+    assert code == 1
+    assert re.search(
+        r"root cause: trainer-rank1 \(pid \d+\) was killed by SIGKILL during train at step 1", out
+    )
+    assert "exitcode  : -9" in out  # torchrun's block in the log tail, below
+
+
+@pytest.mark.slow
+def test_the_real_trainer_failing_on_start_names_its_exception(tmp_path):
+    """The training rank itself (torchrun -m dsv4rl.train.worker) with a config that is not there."""
+    missing = tmp_path / "missing.yaml"
+    torchrun_args = ["--nproc-per-node", "1", "--master-port", str(free_port())]
+    argv = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "dsv4rl.train.worker"]
+    argv += ["--config", str(missing)]
+    code, out, _ = supervise([spec(tmp_path, "trainer", "trainer", argv)], tmp_path)
+    assert code == 1
+    assert re.search(
+        rf"root cause: trainer-rank0: dsv4rl.config.compose.ConfigError: config file '{missing}' does not "
+        r"exist \(at \S*src/dsv4rl/config/compose.py:\d+ in load_config_file\)",
+        out,
+    ), out
+    assert "ChildFailedError" not in out  # torchrun's wrapper text gives way to the rank's own traceback
