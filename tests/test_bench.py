@@ -12,12 +12,13 @@ import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "weight_sync.py"
 QUANT_BENCH = BENCH.with_name("quant_sync.py")
+LOOP_BENCH = BENCH.with_name("loop_overhead.py")
 
 
-def run_quick(bench: Path, out: Path, timeout: float) -> subprocess.CompletedProcess:
+def run_quick(bench: Path, out: Path, timeout: float, *extra: str) -> subprocess.CompletedProcess:
     """`python bench/<name>.py --quick --out OUT`; fails the test with the bench's output when it fails."""
     proc = subprocess.run(
-        [sys.executable, str(bench), "--quick", "--out", str(out)],
+        [sys.executable, str(bench), "--quick", "--out", str(out), *extra],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -75,3 +76,21 @@ def test_quant_sync_bench_quick(tmp_path: Path) -> None:
         variants["bucketed"]["gb_per_s"] / raw["gb_per_s"]
     )
     assert "bucketed_vs_raw_broadcast" in proc.stdout and "quantize on send" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_loop_overhead_bench_quick(tmp_path: Path) -> None:
+    """The floor's three parts and a 4-step run, each ratio computed from the numbers of the same run."""
+    out = tmp_path / "loop_overhead.json"
+    proc = run_quick(LOOP_BENCH, out, 580, "--steps", "4")
+    result = json.loads(out.read_text())
+    floor, ours, ratios = result["floor"], result["dsv4rl"], result["ratios"]
+    assert floor["generate"]["samples"] == 512 and floor["train"]["sequences"] == 512
+    assert floor["seconds"] == pytest.approx(
+        sum(floor[p]["seconds"] for p in ("generate", "train", "broadcast"))
+    )
+    assert ours["steps"] == 4 and ours["step_s"] > 0 and ours["wall_s"] > ours["step_s"]
+    assert ratios["step_vs_floor"] == pytest.approx(ours["step_s"] / floor["seconds"])
+    assert ratios["sync_vs_broadcast"] == pytest.approx(ours["sync_s"] / floor["broadcast"]["seconds"])
+    assert "step_vs_floor" in proc.stdout

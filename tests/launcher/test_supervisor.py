@@ -161,6 +161,17 @@ def test_success_returns_0_and_stops_the_engine(tmp_path):
     assert_all_gone(written_pids(tmp_path))
 
 
+def test_log_every_prints_every_kth_step_and_the_last(tmp_path):
+    """train.log_every=2 over 3 steps: lines for steps 2 and 3 (the last); every step still counts."""
+    console, out = capture()
+    specs = [engine_spec(tmp_path, free_port()), trainer_spec(tmp_path, steps=3)]
+    sup = supervisor(specs, tmp_path, console, log_every=2)
+    assert sup.run() == 0
+    text = out.getvalue()
+    assert "step 1/3" not in text and "step 2/3 |" in text and "step 3/3 |" in text
+    assert sup.progress.step == 3
+
+
 def test_engine_killed_mid_run_fails_the_run_without_orphans(tmp_path):
     console, out = capture()
     specs = [engine_spec(tmp_path, free_port()), trainer_spec(tmp_path, steps=1, mode="hang")]

@@ -393,7 +393,7 @@ class TrainConfig:
     micro_batch_size: int = 64  # sequences per forward/backward
     checkpoint_every: int = 0  # 0: never
     keep_checkpoints: int = 2
-    log_every: int = 1
+    log_every: int = 1  # the supervisor prints a step line every that many steps (metrics.jsonl: all)
 
 
 @dataclass

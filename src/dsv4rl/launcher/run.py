@@ -112,5 +112,6 @@ def run_training(
         done_marker=marker,
         show_progress=node == 0 and task == "train",  # nodes share one log under srun: one display
         liveness=liveness,
+        log_every=cfg.train.log_every,
     )
     return supervisor.run()

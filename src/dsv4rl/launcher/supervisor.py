@@ -118,6 +118,7 @@ class Supervisor:
         done_marker: DoneMarker | None = None,
         show_progress: bool = True,
         liveness: NodeLiveness | None = None,
+        log_every: int = 1,
     ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -143,6 +144,7 @@ class Supervisor:
         self.children: list[Child] = []
         self.tracker = Tracker()
         self.progress = RunProgress(total_steps)
+        self.log_every = max(1, log_every)  # train.log_every: one printed line every that many steps
         self._metrics = MetricsTail(self.run_dir / METRICS_FILE)
         self._signals: list[int] = []
         self._display: Live | None = None
@@ -210,10 +212,17 @@ class Supervisor:
             self.progress = RunProgress(self.progress.total_steps)
         for record in records:
             self.progress.add(record)
-            if self._display is None:
+            if self._display is None and self._line_due(record):
                 self._print(Text(self.progress.line(record)), soft_wrap=True)
         if self._display is not None:
             self._display.update(self.progress.renderable(), refresh=True)
+
+    def _line_due(self, record: dict) -> bool:
+        """Without the live display, a step prints a line every `log_every` steps, and the last one always."""
+        step = record.get("step")
+        if not isinstance(step, int):
+            return True
+        return step % self.log_every == 0 or step == self.progress.total_steps
 
     # ----------------------------------------------------------------------------------- processes
     def _start(self, spec: ProcessSpec) -> Child:
