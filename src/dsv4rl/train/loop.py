@@ -180,15 +180,17 @@ class RLLoop:
         # The engines start from the model directory; after a resume they must hold the resumed weights.
         heartbeat.enter("sync", start)
         self.sync_weights(version=start)
+        finished = False
         try:
             for step in range(start + 1, self.cfg.train.steps + 1):
                 self.step(step)
                 every = self.cfg.train.checkpoint_every
                 if every and (step % every == 0 or step == self.cfg.train.steps):
                     self.save_checkpoint(step)
+            finished = True
         finally:
             if self.ahead is not None:
-                self.ahead.close()
+                self.ahead.close(wait=finished)
         heartbeat.enter("shutdown", self.cfg.train.steps)
 
     @staticmethod

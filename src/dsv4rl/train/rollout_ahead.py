@@ -81,8 +81,9 @@ class RolloutAhead:
         future, self._future, self._step = self._future, None, None
         return future.result()
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """`wait=False` after a failure: a rollout still running on a stuck engine must not hold the exit."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
 
 def overlap_seconds(rollout: Rollout, train_start: float, train_end: float) -> float:
