@@ -128,13 +128,7 @@ def test_tiny_arith_learns_with_the_released_weight_format(tmp_path: Path) -> No
     """FP8 linears and MXFP4 experts on the wire, into an engine started from such a checkpoint; TIS on.
     The engine binds 0.0.0.0, as on a cluster: it answers only the run's keys."""
     run_dir = tmp_path / "fp8_mxfp4"
-    train(
-        run_dir,
-        "quant=fp8_mxfp4",
-        "algo.tis.enabled=true",
-        "engine.host=0.0.0.0",
-        "sync.verify.every_steps=1",
-    )
+    train(run_dir, "quant=fp8_mxfp4", "algo.tis.enabled=true", "engine.host=0.0.0.0")
     key_file = run_dir / "engine-keys.yaml"
     assert key_file.stat().st_mode & 0o777 == 0o600
     assert f"--config {key_file}" in (run_dir / "logs" / "engine-0.log").read_text()
@@ -145,7 +139,10 @@ def test_tiny_arith_learns_with_the_released_weight_format(tmp_path: Path) -> No
     diffs = [line["logprob_abs_diff"] for line in metrics]
     assert 1e-4 < max(diffs) < 0.09
     assert all(0.0 <= line["tis_clip_fraction"] <= 1.0 for line in metrics)
-    assert all(line["verify_checksum_tensors"] == 252 for line in metrics)  # 155 tensors + 97 scales
+    verified = [line for line in metrics if "verify_checksum_tensors" in line]  # every 10th step
+    assert len(verified) == 12 and all(
+        line["verify_checksum_tensors"] == 252 for line in verified
+    )  # + scales
     stored = json.loads((run_dir / "model" / "config.json").read_text())["quantization_config"]
     assert stored["weight_block_size"] == [128, 128] and stored["scale_fmt"] == "ue8m0"
 

@@ -100,12 +100,12 @@ def assert_no_process_left(run_dir: Path, timeout: float = 20) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # two runs of 30 steps: minutes on a busy machine
+@pytest.mark.timeout(2400)  # two runs of 20 steps: minutes on a busy machine
 def test_two_nodes_give_the_one_node_curve(tmp_path: Path) -> None:
     """The same seed and overrides on one node and on two: the same rewards, gradients and entropies, step
-    by step. 30 steps (cosine decay over 30, eval at step 20) keep the test short; the reference engine and
-    seeded sampling make every step reproducible, so 30 steps check what 120 would."""
-    steps = ("train.steps=30",)
+    by step. 20 steps (cosine decay over 20, eval at step 20) keep the test short; the reference engine and
+    seeded sampling make every step reproducible, so 20 steps check what 120 would."""
+    steps = ("train.steps=20",)
     one_node = tmp_path / "one"
     train(one_node, *steps)
     with job(tmp_path) as (run_dir, nodes):
@@ -115,7 +115,7 @@ def test_two_nodes_give_the_one_node_curve(tmp_path: Path) -> None:
         codes = [node0.wait(timeout=1500), node1.wait(timeout=120)]
         assert codes == [0, 0], node0.output() + node1.output()
     ours, theirs = read_metrics(run_dir / "metrics.jsonl"), read_metrics(one_node / "metrics.jsonl")
-    assert len(ours) == len(theirs) == 30
+    assert len(ours) == len(theirs) == 20
     for two, one in zip(ours, theirs, strict=True):
         assert {key: two[key] for key in NON_TIMING} == {key: one[key] for key in NON_TIMING}, two["step"]
     assert ours[19]["eval/pass@1"] == theirs[19]["eval/pass@1"]
