@@ -228,13 +228,28 @@ def test_trainer_killed_leaves_no_orphaned_worker(tmp_path):
     assert_all_gone(written_pids(tmp_path))
 
 
-def test_engine_crash_at_startup_never_starts_the_trainer(tmp_path):
+def test_engine_crash_at_startup_stops_the_trainer_that_started_with_it(tmp_path):
+    """The trainer starts with the engines (it waits for them itself); an engine dying while they load
+    stops it, and the engine is named, not the trainer it took down."""
     console, out = capture()
-    specs = [engine_spec(tmp_path, free_port(), mode="crash"), trainer_spec(tmp_path)]
+    specs = [engine_spec(tmp_path, free_port(), mode="crash"), trainer_spec(tmp_path, mode="hang")]
     assert supervisor(specs, tmp_path, console).run() == 2
     text = out.getvalue()
+    assert text.index("started trainer") < text.index("waiting for 1 engine(s)")
     assert "engine-0 exited with code 2" in text and "CUDA out of memory (fake)" in text
-    assert not (tmp_path / "logs" / "trainer.log").exists()
+    assert "trainer exited" not in text
+    assert_all_gone(written_pids(tmp_path))
+
+
+def test_trainer_failing_while_the_engines_load_is_reported_at_once(tmp_path):
+    console, out = capture()
+    specs = [engine_spec(tmp_path, free_port(), mode="sick"), trainer_spec(tmp_path, steps=0, mode="fail")]
+    start = time.monotonic()
+    assert supervisor(specs, tmp_path, console, startup_timeout_s=60.0).run() == 3
+    assert time.monotonic() - start < 20  # not the engines' 60 s startup timeout
+    text = out.getvalue()
+    assert "trainer exited with code 3" in text and "RuntimeError: boom" in text
+    assert "engine-0 is not healthy" not in text
     assert_all_gone(written_pids(tmp_path))
 
 

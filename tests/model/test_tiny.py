@@ -125,7 +125,7 @@ def test_a_node_that_builds_second_keeps_the_first_copy(tmp_path, monkeypatch) -
     import socket
     import subprocess
 
-    from dsv4rl.model import tiny
+    from dsv4rl.model import model_dir
 
     config, target = ModelConfig(), tmp_path / "model"
     materialize_model(config, str(target))  # the first node
@@ -134,13 +134,13 @@ def test_a_node_that_builds_second_keeps_the_first_copy(tmp_path, monkeypatch) -
     interrupted = f"model.partial-{socket.gethostname()}-{finished.pid}"
     for name in ("model.partial", interrupted, "model.partial-n7-1"):
         (tmp_path / name).mkdir()
-    real_check, checks = tiny.check_model_dir, []
+    real_check, checks = model_dir.check_model_dir, []
 
     def looked_too_early(*args):  # the second node looked before the first node's rename
         checks.append(args)
         return False if len(checks) == 1 else real_check(*args)
 
-    monkeypatch.setattr(tiny, "check_model_dir", looked_too_early)
+    monkeypatch.setattr(model_dir, "check_model_dir", looked_too_early)
     assert materialize_model(config, str(target)) == str(target)
     assert len(checks) == 2  # the rename failed and the first copy was checked
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "model.partial-n7-1"]

@@ -42,7 +42,7 @@ class RunDirInUse(ValueError):
 
 def check_run_dir(cfg: Config, run_dir: Path) -> None:
     """A fresh run must not mix its checkpoints and metrics with an earlier run's."""
-    from dsv4rl.train.checkpoint import latest_checkpoint
+    from dsv4rl.train.checkpoint_dirs import latest_checkpoint
 
     if cfg.resume:
         return
@@ -66,7 +66,7 @@ def run_training(
     if task == "train":
         check_run_dir(cfg, run_dir)
     if cfg.model.path is None:
-        from dsv4rl.model.tiny import ModelDirMismatch, check_model_dir
+        from dsv4rl.model.model_dir import ModelDirMismatch, check_model_dir
 
         try:  # before anything is written
             check_model_dir(cfg.model, run_dir / "model", cfg.quant)
@@ -82,7 +82,7 @@ def run_training(
     write_config(cfg, run_dir)
     if cfg.model.path is None:
         from dsv4rl.config.schema import QuantConfig
-        from dsv4rl.model.tiny import materialize_model, source_model_dir
+        from dsv4rl.model.model_dir import materialize_model, source_model_dir
 
         with console.status(f"building the tiny model from its seed (quant={cfg.quant.name.value}) ..."):
             materialize_model(cfg.model, str(run_dir / "model"), cfg.quant)

@@ -1,9 +1,11 @@
 """The node supervisor: start the plan's processes, wait for the engines, watch, and tear everything down.
 
-Rules: engines - this node's and, on a trainer node, those on other nodes - must answer /health_generate
-before the trainer starts; the run succeeds when every trainer exits 0; any other exit (a crash, a kill,
-an engine quitting early) stops every child and shows the failing child's root cause (its exception, or
-the rank and signal torchrun saw) or else its log tail; Ctrl-C or SIGTERM stops every child and returns 130.
+Rules: the trainer starts with this node's engines and waits for them itself (their start-ups overlap),
+while the supervisor waits for their /health_generate too, to name an engine that dies or never answers;
+engines on other nodes must answer before the trainer starts. The run succeeds when every trainer exits 0;
+any other exit (a crash, a kill, an engine quitting early) stops every child and shows the failing child's
+root cause (its exception, or the rank and signal torchrun saw) or else its log tail; Ctrl-C or SIGTERM
+stops every child and returns 130.
 Children run in their own sessions with logs in `<run_dir>/logs/<name>.log`; descendants are tracked so
 none outlives the run. Hang watchdog: a trainer phase without progress for `step_timeout_s` makes every
 child dump its Python stacks (`logs/stacks-<process>.txt`), then the run stops naming the phase and the
@@ -254,7 +256,10 @@ class Supervisor:
         def should_abort(target: HealthTarget) -> bool:
             self.tracker.refresh()  # remember what the engines spawn while they load
             exited = target.child is not None and target.child.proc.poll() is not None
-            return exited or bool(self._signals) or self._node_lost(stopped_only=True)
+            # a trainer that already failed ends the wait: the watch loop below reports it
+            return (
+                exited or self._trainer_failed() or bool(self._signals) or self._node_lost(stopped_only=True)
+            )
 
         async def one(target: HealthTarget) -> None:
             parts = urlsplit(target.url)
@@ -367,14 +372,23 @@ class Supervisor:
         self.faults.clear()  # an earlier run's heartbeats and crash reports in this run dir
         engines = [self._start(s) for s in self.specs if s.role == "engine"]
         targets = [HealthTarget(c.name, c.spec.health_url, c) for c in engines if c.spec.health_url]
-        if self._trainer_specs():  # only a trainer needs the other nodes' engines
-            targets += [HealthTarget(name, url) for name, url in self.remote_engines]
-        failure = self._wait_healthy(targets)
+        remote = (
+            [HealthTarget(name, url) for name, url in self.remote_engines] if self._trainer_specs() else []
+        )
+        # With this node's engines only, the trainer starts now: it waits for them itself, so its imports and
+        # model load overlap theirs. Engines on other nodes are waited for first (their node may never come).
+        early = not remote
+        if early:
+            self._start_others()
+        failure = self._wait_healthy(targets + remote)
         if self._interrupted():
             return INTERRUPTED
         if self._lost_node is not None:
             return self._on_node_lost(None if self._trainer_specs() else self.done_marker)
-        if failure is not None:
+        engine_died = (
+            failure is not None and failure[0].child is not None and failure[0].child.proc.poll() is not None
+        )
+        if failure is not None and (engine_died or not self._trainer_failed()):
             target, message = failure
             if target.child is None:
                 failure_text = f"✗ {target.name} (on another node) is not healthy: {message}"
@@ -389,9 +403,8 @@ class Supervisor:
             reason = describe_exit(code) if code is not None else f"is not healthy: {message}"
             self._report_failure(target.child, reason)
             return self._exit_code(code)
-        for spec in self.specs:
-            if spec.role != "engine":
-                self._start(spec)
+        if not early:
+            self._start_others()
         trainers = [c for c in self.children if c.spec.role == "trainer"]
         watch = self.done_marker if not trainers else None
         if watch is not None:
@@ -433,6 +446,14 @@ class Supervisor:
             if self._node_lost():
                 return self._on_node_lost(watch)
             time.sleep(self.poll_s)
+
+    def _start_others(self) -> None:
+        for spec in self.specs:
+            if spec.role != "engine":
+                self._start(spec)
+
+    def _trainer_failed(self) -> bool:
+        return any(c.spec.role == "trainer" and c.proc.poll() not in (None, 0) for c in self.children)
 
     def _node_lost(self, stopped_only: bool = False) -> bool:
         """Beat this node's heartbeat; True (the message kept) once a node this one depends on is lost."""

@@ -6,11 +6,6 @@ score-routed MoE; mHC with 4 streams) so the whole loop exercises the real archi
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import socket
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -24,6 +19,14 @@ from dsv4rl.config.schema import (
     ModelConfig,
     QuantConfig,
     TinyModelConfig,
+)
+from dsv4rl.model.model_dir import (  # noqa: F401  (the model-dir helpers' old home)
+    MANIFEST_FILE,
+    ModelDirMismatch,
+    check_model_dir,
+    manifest,
+    materialize_model,
+    source_model_dir,
 )
 from dsv4rl.model.native_checkpoint import load_native_model, write_native_checkpoint
 from dsv4rl.model.tokenizer import build_char_tokenizer
@@ -126,87 +129,12 @@ def checkpoint_wire_format(quant: QuantConfig) -> WireFormat:
     return WireFormat(quant.name, tuple(quant.block_size), scale)
 
 
-MANIFEST_FILE = "dsv4rl-model.json"
-
-
-class ModelDirMismatch(ValueError):
-    """A model directory built earlier from other settings than the recipe's."""
-
-
-def source_model_dir(run_dir: str | Path) -> Path:
-    """`dsv4rl align` with the tiny model: the unquantized weights the trainer holds (quant=none)."""
-    return Path(run_dir) / "model-source"
-
-
-def materialize_model(model_config: ModelConfig, directory: str, quant: QuantConfig | None = None) -> str:
-    """Write the tiny model as a native DeepSeek-V4 checkpoint in `quant`'s format, with its tokenizer.
-
-    The tiny model has no checkpoint to download: the launcher builds it from its seed once, and engines
-    and trainers load the same files, exactly as they would the released checkpoint. A directory built
-    before is reused only when it was built from the same settings (recorded in dsv4rl-model.json).
-    """
-    quant = quant if quant is not None else QuantConfig()
-    target = Path(directory)
-    if check_model_dir(model_config, target, quant):
-        return str(target)
+def write_tiny_model(model_config: ModelConfig, directory: Path, quant: QuantConfig) -> None:
+    """Build the tiny model from its seed into `directory`: a native checkpoint in `quant`'s format, the
+    tokenizer, and the manifest of the settings it was built from (`dsv4rl.model.model_dir`)."""
     tokenizer = load_tokenizer(model_config)
     model = load_model(model_config, vocab_size=len(tokenizer))
-    _remove_stale_partials(target)
-    # One build dir per process: the nodes of a multi-node run share the run dir and build at the same time.
-    partial = target.with_name(f"{target.name}.partial-{socket.gethostname()}-{os.getpid()}")
     transformers_logging.disable_progress_bar()  # the supervisor's own display is on screen
-    write_native_checkpoint(model, partial, checkpoint_wire_format(quant))
-    tokenizer.save_pretrained(partial)
-    (partial / MANIFEST_FILE).write_text(_manifest(model_config, quant))
-    try:
-        partial.rename(target)
-    except OSError:  # another node was first; its copy is built from the same seed and settings
-        shutil.rmtree(partial)
-        if not check_model_dir(model_config, target, quant):
-            raise
-    return str(target)
-
-
-def _remove_stale_partials(target: Path) -> None:
-    """Builds interrupted earlier on this host; a live process's build, or another host's, is left alone."""
-    prefix, ours = f"{target.name}.partial", f"-{socket.gethostname()}-"
-    for stale in target.parent.glob(f"{prefix}*"):
-        owner = stale.name.removeprefix(prefix)  # "" (older builds) or "-<host>-<pid>"
-        if owner.startswith(ours):
-            pid = owner.rsplit("-", 1)[-1]
-            if pid.isdigit() and _process_alive(int(pid)):
-                continue
-        elif owner:
-            continue
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _manifest(model_config: ModelConfig, quant: QuantConfig) -> str:
-    keys = {"name": quant.name.value, "block_size": list(quant.block_size)}
-    keys["expert_scale_dtype"] = quant.expert_scale_dtype.value
-    return json.dumps({"model": asdict(model_config), "quant": keys}, sort_keys=True, default=str)
-
-
-def check_model_dir(model_config: ModelConfig, directory: str | Path, quant: QuantConfig) -> bool:
-    """True when `directory` already holds this model in this format; ModelDirMismatch when it holds
-    another; False when there is nothing to reuse."""
-    target = Path(directory)
-    if not (target / "config.json").exists():
-        return False
-    built = (target / MANIFEST_FILE).read_text() if (target / MANIFEST_FILE).exists() else None
-    if built != _manifest(model_config, quant):
-        raise ModelDirMismatch(
-            f"{target} holds a model built from other settings (model.* or quant=) than this recipe's "
-            f"(quant={quant.name.value}); choose a new run.dir, or delete that directory to rebuild it"
-        )
-    return True
+    write_native_checkpoint(model, directory, checkpoint_wire_format(quant))
+    tokenizer.save_pretrained(directory)
+    (directory / MANIFEST_FILE).write_text(manifest(model_config, quant))

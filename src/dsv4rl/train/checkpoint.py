@@ -14,7 +14,6 @@ every rank sees (on several nodes: a shared filesystem).
 from __future__ import annotations
 
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,40 +25,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
-TRAINER_STATE = "trainer_state.pt"
-
-
-def checkpoint_dir(root: str | Path, step: int) -> Path:
-    """Where the checkpoint of `step` lives under `root` (the name `latest_checkpoint` looks for)."""
-    return Path(root) / f"step_{step:08d}"
-
-
-def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = STEP_DIR.match(child.name)
-        if match and child.is_dir() and (child / TRAINER_STATE).exists():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete `step_N` checkpoint with the highest N under `root`, or None."""
-    found = _complete_checkpoints(Path(root))
-    return found[-1][1] if found else None
-
-
-def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints (keep <= 0: delete nothing)."""
-    if keep <= 0:
-        return []
-    removed = [path for _, path in _complete_checkpoints(Path(root))[:-keep]]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
+from dsv4rl.train.checkpoint_dirs import (  # noqa: F401  (callers import them from here too)
+    TRAINER_STATE,
+    checkpoint_dir,
+    latest_checkpoint,
+    prune_checkpoints,
+)
 
 
 def capture_rng_state() -> dict[str, Any]:
