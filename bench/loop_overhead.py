@@ -245,13 +245,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steps = args.steps or (8 if args.quick else 40)
     with tempfile.TemporaryDirectory(prefix="dsv4rl-loop-bench-") as tmp:
         plan = build_local_plan(cfg, Path(tmp) / "plan")
-        trainer = next(spec for spec in plan if spec.role == "trainer")
-        threads = int(trainer.env.get("OMP_NUM_THREADS", torch.get_num_threads()))
-        torch.set_num_threads(threads)  # the floor runs on the threads the run's processes get
+        # each floor runs on the threads its process gets in the run: the engine's, the trainer's
+        threads = {spec.role: int(spec.env.get("OMP_NUM_THREADS", torch.get_num_threads())) for spec in plan}
         model_dir = materialize_model(cfg.model, str(Path(tmp) / "model"))
         model = load_native_model(model_dir, dtype=torch.float32).eval()
         prompts = step_prompts(cfg)
+        torch.set_num_threads(threads["engine"])
         generate, requests = measure_generate(model, cfg, prompts, repeats)
+        torch.set_num_threads(threads["trainer"])
         train = measure_train(model_dir, cfg, requests, repeats)
         broadcast = measure_broadcast(model, repeats)
         floor = generate["seconds"] + train["seconds"] + broadcast["seconds"]
@@ -276,8 +277,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_report(result: dict[str, Any]) -> None:
     floor, ours, ratios = result["floor"], result["dsv4rl"], result["ratios"]
-    print(f"tiny_arith, {result['meta']['sizes']['samples']} samples a step, "
-          f"{result['meta']['sizes']['threads']} thread(s) a process")  # fmt: skip
+    threads = ", ".join(f"{role} {n}" for role, n in result["meta"]["sizes"]["threads"].items())
+    print(f"tiny_arith, {result['meta']['sizes']['samples']} samples a step, threads: {threads}")
     print(f"{'phase':<10}{'dsv4rl s':>10}{'floor s':>10}{'ratio':>8}")
     rows = [
         ("rollout", ours["rollout_s"] + ours["reward_s"], floor["generate"]["seconds"]),

@@ -34,7 +34,9 @@ from _common import ROOT, bench_main, free_port, install_signal_handlers, run_me
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "vs_trl.json"
 ASYNC = ["algo.async_rollout=true", "algo.tis.enabled=true"]
-TRL_INSTALL = "python -m venv trl-venv && trl-venv/bin/pip install torch==2.13.0 transformers==5.23.0 trl==1.16.0"
+TRL_INSTALL = (
+    "python -m venv trl-venv && trl-venv/bin/pip install torch==2.13.0 transformers==5.23.0 trl==1.16.0"
+)
 
 
 def learning(rewards: list[float], threshold: float = 0.8) -> dict[str, Any]:
