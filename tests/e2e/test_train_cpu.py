@@ -25,9 +25,9 @@ pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-m", "dsv4rl.cli", "train"]
 NON_TIMING = ("reward_mean", "reward_std", "response_len_mean", "grad_norm", "entropy", "sync_bytes")
-# The learning runs stop at 60 of the recipe's 120 steps: on seed 0 the 10-step mean reward passes 0.8 near
-# step 45 and is about 0.93 by step 60, so "last 10 >= 0.8" still tells learning from noise, in half the time.
-LEARNING_STEPS = 60
+# The learning runs take the recipe's 120 steps: its cosine decay reaches the floor at the last step, so a
+# shorter run also learns less (60 steps ended at a 10-step mean of 0.79 on 2 threads).
+LEARNING_STEPS = 120
 LEARN = f"train.steps={LEARNING_STEPS}"
 ASYNC = ("algo.async_rollout=true", "algo.tis.enabled=true")
 
@@ -69,7 +69,7 @@ def model_weights(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory) -> Path:
-    """The README's demo: `dsv4rl train recipe=tiny_arith` with the recipe as shipped, for 60 steps."""
+    """The README's demo: `dsv4rl train recipe=tiny_arith` with the recipe as shipped."""
     run_dir = tmp_path_factory.mktemp("demo") / "run"
     train(run_dir, LEARN)
     return run_dir
@@ -93,10 +93,10 @@ def test_tiny_arith_learns(demo_run: Path) -> None:
     assert max(line["verify_probe_abs_diff"] for line in verified) < 1e-4
     # the recipe's eval (all 16 problems x 8 samples) every 20 steps, on the weights of that step
     evals = [line for line in metrics if "eval/pass@1" in line]
-    assert [line["step"] for line in evals] == [20, 40, 60]
+    assert [line["step"] for line in evals] == list(range(20, LEARNING_STEPS + 1, 20))
     assert evals[-1]["eval/pass@1"] >= 0.7 and evals[-1]["eval/pass@1"] > evals[0]["eval/pass@1"]
     assert all(line["eval/pass@8"] >= line["eval/pass@1"] for line in evals)
-    assert (demo_run / "eval" / "step_00000060.json").is_file()
+    assert (demo_run / "eval" / f"step_{LEARNING_STEPS:08d}.json").is_file()
 
 
 def test_report_of_the_demo_run(demo_run: Path) -> None:
@@ -142,9 +142,10 @@ def test_released_weight_format_with_async_rollouts_learns(tmp_path: Path) -> No
     metrics = read_metrics(run_dir / "metrics.jsonl")
     rewards = [line["reward_mean"] for line in metrics]
     assert len(metrics) == LEARNING_STEPS and sum(rewards[-10:]) / 10 >= 0.8, rewards
-    # the engine really holds quantized weights: its log-probs differ from the fp32 trainer's, a little
+    # the engine's log-probs differ from the fp32 trainer's, a little: quantization, and here one version
+    # of staleness too (each batch was sampled before the last update; 0 at step 1, the same weights)
     diffs = [line["logprob_abs_diff"] for line in metrics]
-    assert 1e-4 < max(diffs) < 0.09
+    assert 1e-4 < max(diffs) < 0.3, diffs
     assert all(0.0 <= line["tis_clip_fraction"] <= 1.0 for line in metrics)
     verified = [line for line in metrics if "verify_checksum_tensors" in line]  # every 10th step
     assert len(verified) == LEARNING_STEPS // 10

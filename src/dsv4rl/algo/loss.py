@@ -16,6 +16,7 @@ whole mini-batch (tests/algo/test_loss.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -157,6 +158,50 @@ def step_sums(
     if not with_reference:
         sums[KL] = (kl_penalty(old_logprobs, rollout_logprobs, "k3") * loss_mask).sum()
     return sums
+
+
+@dataclass
+class OldPolicy:
+    """Where a train step's old-policy log-probs come from (`reuses_policy_forward`): `reuse`, each
+    micro-batch's own training forward (`from_training_forward`); else `logprobs` over the whole batch,
+    computed before the first update, with their TIS weights. `sums`: the step's batch-derived sums,
+    zeros to accumulate the micro-batches' into when `reuse`."""
+
+    reuse: bool
+    logprobs: Tensor | None
+    tis_weights: Tensor | None
+    sums: Tensor
+
+
+def old_policy(
+    algo: AlgoConfig,
+    given: Tensor | None,
+    rollout_logprobs: Tensor,
+    loss_mask: Tensor,
+    with_reference: bool,
+    compute: Callable[[], Tensor],
+    reuse_allowed: bool = True,
+) -> OldPolicy:
+    """The old policy of a step: `given` (the batch's own), the training forward's, or `compute()` (a
+    no-grad pass on the micro-batches the update will use). `reuse_allowed=False` forces the pass."""
+    if reuse_allowed and reuses_policy_forward(algo.updates_per_step, given is not None):
+        zeros = torch.zeros(NUM_STEP_SUMS, dtype=torch.float64, device=loss_mask.device)
+        return OldPolicy(True, None, None, zeros)
+    old = given if given is not None else compute()
+    tis, corrections = rollout_corrections(algo, old, rollout_logprobs, loss_mask)
+    return OldPolicy(
+        False, old, tis, step_sums(old, rollout_logprobs, loss_mask, corrections, with_reference)
+    )
+
+
+def from_training_forward(
+    algo: AlgoConfig, logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, with_reference: bool
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """With `OldPolicy.reuse`: a micro-batch's old log-probs (its training forward's, detached), their TIS
+    weights, and the micro-batch's share of the step sums."""
+    old = logprobs.detach()
+    tis, corrections = rollout_corrections(algo, old, rollout_logprobs, loss_mask)
+    return old, tis, step_sums(old, rollout_logprobs, loss_mask, corrections, with_reference)
 
 
 def step_metrics(

@@ -1,7 +1,7 @@
 """The evaluating process of `dsv4rl eval`: `python -m dsv4rl.eval.worker --config RUN_DIR/config.yaml`.
 
-The node supervisor starts it in the trainer's place once the recipe's engines are healthy (the same
-engines, on the same devices, with the same environment as training); it samples the eval set on them,
+The node supervisor starts it in the trainer's place, with the recipe's engines (the same engines, on the
+same devices, with the same environment as training); it waits for them, samples the eval set on them,
 grades, and writes RUN_DIR/eval.json. No trainer and no weight sync: the engines serve the recipe's model.
 """
 

@@ -26,14 +26,12 @@ from dsv4rl.algo.loss import (
     ENTROPY,
     KL,
     LOSS,
-    NUM_STEP_SUMS,
+    from_training_forward,
     gradient_scale,
     micro_batch_loss,
     normaliser_share,
-    reuses_policy_forward,
-    rollout_corrections,
+    old_policy,
     step_metrics,
-    step_sums,
 )
 from dsv4rl.config.schema import Config
 from dsv4rl.model.native_checkpoint import load_native_model
@@ -199,16 +197,16 @@ class FSDPTrainEngine:
         ref = batch.ref_logprobs
         if self.ref_model is not None and ref is None:
             ref = self._masked_logprobs(self.ref_model, batch, temp)
-        reuse = self.reuse_policy_forward and reuses_policy_forward(updates, batch.old_logprobs is not None)
-        if reuse:  # the old log-probs come from each micro-batch's training forward below
-            old = tis = None
-            stats = torch.zeros(NUM_STEP_SUMS, dtype=torch.float64, device=self.device)
-        else:
-            old = batch.old_logprobs
-            if old is None:
-                old = self._masked_logprobs(self.model, batch, temp)
-            tis, corrections = rollout_corrections(algo, old, batch.rollout_logprobs, batch.loss_mask)
-            stats = step_sums(old, batch.rollout_logprobs, batch.loss_mask, corrections, ref is not None)
+        policy = old_policy(
+            algo,
+            batch.old_logprobs,
+            batch.rollout_logprobs,
+            batch.loss_mask,
+            ref is not None,
+            lambda: self._masked_logprobs(self.model, batch, temp),
+            reuse_allowed=self.reuse_policy_forward,
+        )
+        stats = policy.sums
         grad_norms, lrs = [], []
         row = 0
         for mini in batch.split(updates):
@@ -223,16 +221,14 @@ class FSDPTrainEngine:
                 rows = slice(row, row + micro.size)
                 row += micro.size
                 logp, logits = self._micro_logprobs(self.model, m.input_ids, temp)
-                if reuse:
-                    micro_old = logp.detach()
-                    micro_tis, corrections = rollout_corrections(
-                        algo, micro_old, m.rollout_logprobs, m.loss_mask
+                if policy.reuse:
+                    micro_old, micro_tis, sums = from_training_forward(
+                        algo, logp, m.rollout_logprobs, m.loss_mask, ref is not None
                     )
-                    stats += step_sums(
-                        micro_old, m.rollout_logprobs, m.loss_mask, corrections, ref is not None
-                    )
+                    stats += sums
                 else:
-                    micro_old, micro_tis = old[rows, :n], None if tis is None else tis[rows, :n]
+                    micro_old = policy.logprobs[rows, :n]
+                    micro_tis = None if policy.tis_weights is None else policy.tis_weights[rows, :n]
                 out = micro_batch_loss(
                     logp,
                     logits,

@@ -30,12 +30,11 @@ from dsv4rl.algo.loss import (
     KL,
     LOSS,
     NUM_STEP_SUMS,
+    from_training_forward,
     micro_batch_loss,
     normaliser_share,
-    reuses_policy_forward,
-    rollout_corrections,
+    old_policy,
     step_metrics,
-    step_sums,
 )
 from dsv4rl.config.schema import Config, RecomputeMode
 from dsv4rl.model.native_checkpoint import is_native_checkpoint, load_hf_config, load_native_model
@@ -223,17 +222,18 @@ class MegatronTrainEngine:
         ref = batch.ref_logprobs
         if self.ref_model is not None and ref is None:
             ref = self._masked_logprobs(self.ref_model, batch, temp)
-        reuse = self.reuse_policy_forward and reuses_policy_forward(updates, batch.old_logprobs is not None)
-        if reuse:  # the last stage takes the old log-probs from each micro-batch's training forward
-            old = tis = None
-            batch_sums = torch.zeros(NUM_STEP_SUMS, dtype=torch.float64, device=self.device)
-        else:
-            old = batch.old_logprobs
-            if old is None:
-                old = self._masked_logprobs(self.ddp, batch, temp)
-            tis, corrections = rollout_corrections(algo, old, batch.rollout_logprobs, batch.loss_mask)
-            # the batch-derived sums on every rank, the loss terms only where the last stage computes them
-            batch_sums = step_sums(old, batch.rollout_logprobs, batch.loss_mask, corrections, ref is not None)
+        # reused: the last stage takes the old log-probs from each micro-batch's training forward; else the
+        # batch-derived sums are on every rank, the loss terms only where the last stage computes them
+        policy = old_policy(
+            algo,
+            batch.old_logprobs,
+            batch.rollout_logprobs,
+            batch.loss_mask,
+            ref is not None,
+            lambda: self._masked_logprobs(self.ddp, batch, temp),
+            reuse_allowed=self.reuse_policy_forward,
+        )
+        batch_sums = policy.sums
         stats = torch.zeros_like(batch_sums)
         grad_norms, lrs = [], []
         row = 0
@@ -249,16 +249,13 @@ class MegatronTrainEngine:
                 n = part.loss_mask.shape[1]
                 logprobs = token_logprobs(logits, part.input_ids, temp)
                 sums = torch.zeros(NUM_STEP_SUMS, dtype=torch.float64, device=logits.device)
-                if reuse:
-                    micro_old = logprobs.detach()
-                    micro_tis, corrections = rollout_corrections(
-                        algo, micro_old, part.rollout_logprobs, part.loss_mask
-                    )
-                    sums = step_sums(
-                        micro_old, part.rollout_logprobs, part.loss_mask, corrections, ref is not None
+                if policy.reuse:
+                    micro_old, micro_tis, sums = from_training_forward(
+                        algo, logprobs, part.rollout_logprobs, part.loss_mask, ref is not None
                     )
                 else:
-                    micro_old = _rows(old, rows, part.size)[:, :n]
+                    micro_old = _rows(policy.logprobs, rows, part.size)[:, :n]
+                    tis = policy.tis_weights
                     micro_tis = None if tis is None else _rows(tis, rows, part.size)[:, :n]
                 out = micro_batch_loss(
                     logprobs,
