@@ -142,10 +142,12 @@ def test_released_weight_format_with_async_rollouts_learns(tmp_path: Path) -> No
     metrics = read_metrics(run_dir / "metrics.jsonl")
     rewards = [line["reward_mean"] for line in metrics]
     assert len(metrics) == LEARNING_STEPS and sum(rewards[-10:]) / 10 >= 0.8, rewards
-    # the engine's log-probs differ from the fp32 trainer's, a little: quantization, and here one version
-    # of staleness too (each batch was sampled before the last update; 0 at step 1, the same weights)
-    diffs = [line["logprob_abs_diff"] for line in metrics]
-    assert 1e-4 < max(diffs) < 0.3, diffs
+    # the engine really holds quantized weights: right after a sync (same weights on both sides) its probe
+    # log-probs differ from the fp32 trainer's, a little; the rollouts' difference also holds one version of
+    # staleness (each batch was sampled before the last update), so it is only bounded
+    probes = [line["verify_probe_abs_diff"] for line in metrics if "verify_probe_abs_diff" in line]
+    assert 1e-4 < max(probes) < 0.2, probes
+    assert max(line["logprob_abs_diff"] for line in metrics) < 1.0
     assert all(0.0 <= line["tis_clip_fraction"] <= 1.0 for line in metrics)
     verified = [line for line in metrics if "verify_checksum_tensors" in line]  # every 10th step
     assert len(verified) == LEARNING_STEPS // 10
