@@ -123,27 +123,17 @@ def _base_env(cfg: Config, base_env: Mapping[str, str] | None) -> dict[str, str]
     return env
 
 
-def _cpu_threads(
-    cfg: Config, env: dict[str, str], engines: int, trainer_ranks: int
-) -> tuple[dict[str, str], dict[str, str]]:
-    """On CPU, the threads of (the engines, the trainer ranks); a set OMP_NUM_THREADS wins. With every node
-    on this machine, counted over all nodes' processes (the same threads, so the same numbers, as on one
-    node). The engines split the cores with the trainer. In the synchronous loop the engines idle while
-    the trainer trains, so its ranks split every core between them: 2 threads trained the tiny model 25 %
-    faster than 1 on 2 cores. Async rollouts overlap the two, and colliding OpenMP threads spin (giving
-    every process every core was measured 3-5x slower), so there the trainer keeps the engines' share."""
+def _cpu_threads(cfg: Config, env: dict[str, str], local_procs: int) -> dict[str, str]:
+    """On CPU, split the cores between the node's processes (a set OMP_NUM_THREADS wins); with every node
+    on this machine, between all nodes' processes (the same threads, so the same numbers, as on one node).
+    The engines and the trainer mostly take turns, but giving each every core was measured 3-5x slower on
+    2 cores: OpenMP threads of one process spin while the other's want the cores."""
     if cfg.cluster.gpus_per_node > 0 or "OMP_NUM_THREADS" in env:
-        return env, env
+        return env
     if on_one_machine(cfg):
         pt = cfg.parallel.train
-        engines, trainer_ranks = cfg.parallel.rollout.num_engines, pt.nnodes * pt.nproc_per_node
-    cores = os.cpu_count() or 1
-    shared = max(1, cores // max(1, engines + trainer_ranks))
-    alone = shared if cfg.algo.async_rollout or not trainer_ranks else max(1, cores // trainer_ranks)
-    return _with_threads(env, shared), _with_threads(env, alone)
-
-
-def _with_threads(env: dict[str, str], threads: int) -> dict[str, str]:
+        local_procs = cfg.parallel.rollout.num_engines + pt.nnodes * pt.nproc_per_node
+    threads = max(1, (os.cpu_count() or 1) // max(1, local_procs))
     return {**env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
@@ -239,8 +229,8 @@ def build_local_plan(
     model_path: str | None = None,
     task: str = "train",
 ) -> list[ProcessSpec]:
-    """Engines first, then the trainer (`task`: train or align; eval: the evaluating process). SGLang
-    engines also get `quant.engine_env`."""
+    """Engines first (they must be healthy before the trainer starts), then the trainer (`task`: train or
+    align; eval: the evaluating process). SGLang engines also get `quant.engine_env`."""
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
     node = cfg.cluster.node_rank
@@ -251,7 +241,7 @@ def build_local_plan(
     evaluating = task == "eval"  # one evaluating process on node 0 in the trainer's place
     runs_trainer = node == 0 if evaluating else node in trainer_nodes(cfg)
     nproc = (1 if evaluating else cfg.parallel.train.nproc_per_node) if runs_trainer else 0
-    env, trainer_threads_env = _cpu_threads(cfg, _base_env(cfg, base_env), len(engines), nproc)
+    env = _cpu_threads(cfg, _base_env(cfg, base_env), len(engines) + nproc)
     kind = _value(cfg.parallel.rollout.engine)
     gpe = cfg.parallel.rollout.gpus_per_engine
     specs: list[ProcessSpec] = []
@@ -284,7 +274,7 @@ def build_local_plan(
         )
     if runs_trainer:
         # the trainer finds the engines, their keys and its peers from the config (dsv4rl.topology)
-        trainer_env = dict(trainer_threads_env)
+        trainer_env = dict(env)
         meta = {"nproc": str(nproc)}
         gpus = 0 if evaluating else cfg.cluster.gpus_per_node
         if gpus and engines and not cfg.parallel.colocate:
