@@ -62,7 +62,14 @@ def train(step):
     heartbeat.enter("train", step)
     time.sleep(0.05)
 
+def wait_for_engine():  # as the real trainer does: it starts with the engine and waits for it
+    for _ in range(1200):
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/health_generate", timeout=5).read()
+        except OSError:
+            time.sleep(0.05)
 def run_steps():
+    wait_for_engine()
     for step in (1, 2, 3):
         rollout(step)
         train(step)
