@@ -75,6 +75,23 @@ def run_meta(bench: str, mode: str, sizes: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def train_tiny_arith(steps: int, overrides: Sequence[str], run_dir: Path) -> tuple[float, list[dict]]:
+    """`dsv4rl train recipe=tiny_arith` as a user runs it, on free ports: (seconds from command to exit,
+    the lines of its metrics.jsonl)."""
+    argv = [sys.executable, "-m", "dsv4rl.cli", "train", "recipe=tiny_arith", f"run.dir={run_dir}",
+            "run.progress=false", f"train.steps={steps}", f"engine.port={free_port()}",
+            f"cluster.master_port={free_port()}", f"cluster.weight_sync_port={free_port()}",
+            *overrides]  # fmt: skip
+    start = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"dsv4rl train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
+        )
+    return wall, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _die_with_parent() -> None:
     """preexec_fn of each child (Linux): SIGKILL it when the bench process dies, even by SIGKILL."""
     if sys.platform.startswith("linux"):

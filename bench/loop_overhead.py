@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import ROOT, bench_main, free_port, install_signal_handlers, run_meta
+from _common import ROOT, bench_main, free_port, install_signal_handlers, run_meta, train_tiny_arith
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "loop_overhead.json"
 PHASES = ("rollout", "reward", "train", "sync", "eval")
@@ -195,28 +195,7 @@ def measure_broadcast(model: torch.nn.Module, repeats: int) -> dict:
 
 def run_dsv4rl(steps: int, overrides: list[str], run_dir: Path) -> dict:
     """`dsv4rl train recipe=tiny_arith` as a user runs it; the mean of each phase after the first 2 steps."""
-    argv = [
-        sys.executable,
-        "-m",
-        "dsv4rl.cli",
-        "train",
-        "recipe=tiny_arith",
-        f"run.dir={run_dir}",
-        "run.progress=false",
-        f"train.steps={steps}",
-        f"engine.port={free_port()}",
-        f"cluster.master_port={free_port()}",
-        f"cluster.weight_sync_port={free_port()}",
-        *overrides,
-    ]
-    start = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"dsv4rl train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
-        )
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    wall, records = train_tiny_arith(steps, overrides, run_dir)
     steady = records[2:] or records
     phases = {p: statistics.mean(r.get(f"time_{p}_s", 0.0) for r in steady) for p in PHASES}
     step = statistics.mean(r["time_step_s"] for r in steady)

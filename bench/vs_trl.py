@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, bench_main, free_port, install_signal_handlers, run_meta
+from _common import ROOT, bench_main, install_signal_handlers, run_meta, train_tiny_arith
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "vs_trl.json"
 ASYNC = ["algo.async_rollout=true", "algo.tis.enabled=true"]
@@ -115,16 +115,7 @@ def run_trl(trl_python: str, setup: Path, workdir: Path) -> dict[str, Any]:
 
 
 def run_dsv4rl(steps: int, overrides: list[str], run_dir: Path) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "dsv4rl.cli", "train", "recipe=tiny_arith", f"run.dir={run_dir}",
-            "run.progress=false", f"train.steps={steps}", f"engine.port={free_port()}",
-            f"cluster.master_port={free_port()}", f"cluster.weight_sync_port={free_port()}",
-            *overrides]  # fmt: skip
-    start = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"dsv4rl train failed ({proc.returncode}):\n{proc.stdout[-4000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    wall, records = train_tiny_arith(steps, overrides, run_dir)
     return {
         "wall_s": wall,
         "step_median_s": statistics.median(r["time_step_s"] for r in records),
