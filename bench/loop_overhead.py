@@ -9,11 +9,15 @@ model, batch and threads the run gets:
   (prompts_per_step x group_size seeded samples), called in-process: no HTTP, no client;
 - train: one forward + backward + optimizer step of that batch through transformers' model and the
   shared loss (`dsv4rl.algo.loss.micro_batch_loss`), without the loop around it;
-- broadcast: the model's bytes broadcast over a gloo group to a peer process, as the sync sends them.
+- broadcast: the model's bytes, as one buffer, broadcast over a gloo group to a peer process (the sync
+  sends one flattened buffer per bucket, and tiny_arith has one bucket).
 
-Then `dsv4rl train recipe=tiny_arith` runs for `--steps` steps as a user runs it; its metrics.jsonl gives
-each phase's mean over the steps after the first two. Printed: step / floor and each phase over its own
-floor (rollout + reward vs generate, train vs train, sync vs broadcast), and the run's wall time.
+Then `dsv4rl train recipe=tiny_arith` runs for `--steps` steps as a user runs it, and again with one-step-
+off-policy async rollouts (unless --no-async); each metrics.jsonl gives each phase's mean over the steps
+after the first two. Each floor is the median of its repeats, half measured before the runs and half
+after, so a machine whose speed drifts during the bench (shared VMs do, by 20 % and more) moves the floor
+with the runs. Printed: step / floor for both runs, each phase of the synchronous run over its own floor
+(rollout + reward vs generate, train vs train, sync vs broadcast), and the runs' wall times.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from _common import ROOT, bench_main, free_port, install_signal_handlers, run_me
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "loop_overhead.json"
 PHASES = ("rollout", "reward", "train", "sync", "eval")
+ASYNC = ["algo.async_rollout=true", "algo.tis.enabled=true"]
+FLOORS = ("generate", "train", "broadcast")
 
 
 def tiny_arith(overrides: list[str]) -> Any:
@@ -83,7 +89,7 @@ def measure_generate(model: torch.nn.Module, cfg: Any, prompts: list[list[int]],
             samples = requests
     finally:
         generator.close()
-    return {"seconds": min(runs), "runs_seconds": runs, "samples": len(samples)}, samples
+    return {"runs_seconds": runs, "samples": len(samples)}, samples
 
 
 def measure_train(model_dir: str, cfg: Any, requests: list[Any], repeats: int) -> dict:
@@ -125,15 +131,14 @@ def measure_train(model_dir: str, cfg: Any, requests: list[Any], repeats: int) -
         if repeat:
             runs.append(time.perf_counter() - start)
     return {
-        "seconds": min(runs),
         "runs_seconds": runs,
         "sequences": batch.size,
         "width": batch.input_ids.shape[1],
     }
 
 
-def serve_peer(port: int, shapes: list[tuple[list[int], str]]) -> None:
-    """Rank 1 of the broadcast group: on each `recv` line, receive every tensor into fresh memory."""
+def serve_peer(port: int, size: int) -> None:
+    """Rank 1 of the broadcast group: on each `recv` line, receive `size` bytes into fresh memory."""
     import torch.distributed as dist
 
     from dsv4rl.sync.process_group import destroy_custom_process_group, init_custom_process_group
@@ -145,10 +150,7 @@ def serve_peer(port: int, shapes: list[tuple[list[int], str]]) -> None:
     for line in sys.stdin:
         if line.strip() != "recv":
             break
-        received = [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in shapes]
-        works = [dist.broadcast(t, src=0, group=group, async_op=True) for t in received]
-        for work in works:
-            work.wait()
+        dist.broadcast(torch.empty(size, dtype=torch.uint8), src=0, group=group)
         dist.barrier(group=group)
     destroy_custom_process_group(group)
 
@@ -159,10 +161,10 @@ def measure_broadcast(model: torch.nn.Module, repeats: int) -> dict:
     from dsv4rl.sync.process_group import destroy_custom_process_group, init_custom_process_group
 
     tensors = [t.detach().contiguous() for t in model.state_dict().values()]
-    shapes = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
+    size = sum(t.numel() * t.element_size() for t in tensors)
     port = free_port()
     peer = subprocess.Popen(
-        [sys.executable, __file__, "--peer", str(port), json.dumps(shapes)],
+        [sys.executable, __file__, "--peer", str(port), str(size)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -178,9 +180,8 @@ def measure_broadcast(model: torch.nn.Module, repeats: int) -> dict:
             peer.stdin.write("recv\n")
             peer.stdin.flush()
             start = time.perf_counter()
-            works = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
-            for work in works:
-                work.wait()
+            buffer = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])  # the sync flattens too
+            dist.broadcast(buffer, src=0, group=group)
             dist.barrier(group=group)
             if repeat:
                 runs.append(time.perf_counter() - start)
@@ -189,8 +190,7 @@ def measure_broadcast(model: torch.nn.Module, repeats: int) -> dict:
         peer.stdin.flush()
         destroy_custom_process_group(group)
         peer.wait(timeout=30)
-    size = sum(t.numel() * t.element_size() for t in tensors)
-    return {"seconds": min(runs), "runs_seconds": runs, "bytes": size, "tensors": len(tensors)}
+    return {"runs_seconds": runs, "bytes": size, "tensors": len(tensors)}
 
 
 def run_dsv4rl(steps: int, overrides: list[str], run_dir: Path) -> dict:
@@ -211,9 +211,30 @@ def run_dsv4rl(steps: int, overrides: list[str], run_dir: Path) -> dict:
     }
 
 
+def measure_floor(model_dir: str, cfg: Any, threads: dict[str, int], repeats: int) -> dict[str, dict]:
+    """One sitting of every floor, each on the threads its process gets in the run."""
+    from dsv4rl.model.native_checkpoint import load_native_model
+
+    model = load_native_model(model_dir, dtype=torch.float32).eval()
+    torch.set_num_threads(threads["engine"])
+    generate, requests = measure_generate(model, cfg, step_prompts(cfg), repeats)
+    torch.set_num_threads(threads["trainer"])
+    train = measure_train(model_dir, cfg, requests, repeats)
+    return {"generate": generate, "train": train, "broadcast": measure_broadcast(model, repeats)}
+
+
+def merge_sittings(before: dict[str, dict], after: dict[str, dict]) -> dict[str, Any]:
+    """Each floor's runs from both sittings and their median; `seconds` is the floor of a whole step."""
+    floor: dict[str, Any] = {}
+    for name in FLOORS:
+        runs = before[name]["runs_seconds"] + after[name]["runs_seconds"]
+        floor[name] = {**before[name], "runs_seconds": runs, "seconds": statistics.median(runs)}
+    floor["seconds"] = sum(floor[name]["seconds"] for name in FLOORS)
+    return floor
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dsv4rl.launcher.plan import build_local_plan
-    from dsv4rl.model.native_checkpoint import load_native_model
     from dsv4rl.model.tiny import materialize_model
 
     install_signal_handlers()
@@ -224,31 +245,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steps = args.steps or (8 if args.quick else 40)
     with tempfile.TemporaryDirectory(prefix="dsv4rl-loop-bench-") as tmp:
         plan = build_local_plan(cfg, Path(tmp) / "plan")
-        # each floor runs on the threads its process gets in the run: the engine's, the trainer's
         threads = {spec.role: int(spec.env.get("OMP_NUM_THREADS", torch.get_num_threads())) for spec in plan}
         model_dir = materialize_model(cfg.model, str(Path(tmp) / "model"))
-        model = load_native_model(model_dir, dtype=torch.float32).eval()
-        prompts = step_prompts(cfg)
-        torch.set_num_threads(threads["engine"])
-        generate, requests = measure_generate(model, cfg, prompts, repeats)
-        torch.set_num_threads(threads["trainer"])
-        train = measure_train(model_dir, cfg, requests, repeats)
-        broadcast = measure_broadcast(model, repeats)
-        floor = generate["seconds"] + train["seconds"] + broadcast["seconds"]
-        dsv4rl = run_dsv4rl(steps, overrides, Path(tmp) / "run")
+        before = measure_floor(model_dir, cfg, threads, repeats)
+        runs = {"dsv4rl": run_dsv4rl(steps, overrides, Path(tmp) / "sync")}
+        if not args.no_async:
+            runs["dsv4rl_async"] = run_dsv4rl(steps, [*ASYNC, *overrides], Path(tmp) / "async")
+        floor = merge_sittings(before, measure_floor(model_dir, cfg, threads, repeats))
+    dsv4rl = runs["dsv4rl"]
     ratios = {
-        "step_vs_floor": dsv4rl["step_s"] / floor,
-        "rollout_vs_generate": (dsv4rl["rollout_s"] + dsv4rl["reward_s"]) / generate["seconds"],
-        "train_vs_train": dsv4rl["train_s"] / train["seconds"],
-        "sync_vs_broadcast": dsv4rl["sync_s"] / broadcast["seconds"],
+        "step_vs_floor": dsv4rl["step_s"] / floor["seconds"],
+        "rollout_vs_generate": (dsv4rl["rollout_s"] + dsv4rl["reward_s"]) / floor["generate"]["seconds"],
+        "train_vs_train": dsv4rl["train_s"] / floor["train"]["seconds"],
+        "sync_vs_broadcast": dsv4rl["sync_s"] / floor["broadcast"]["seconds"],
     }
-    sizes = {"steps": steps, "repeats": repeats, "threads": threads, "samples": generate["samples"]}
+    if "dsv4rl_async" in runs:
+        ratios["async_step_vs_floor"] = runs["dsv4rl_async"]["step_s"] / floor["seconds"]
+    sizes = {
+        "steps": steps,
+        "repeats": 2 * repeats,
+        "threads": threads,
+        "samples": floor["generate"]["samples"],
+    }
     meta = run_meta("loop_overhead", "quick" if args.quick else "full", sizes)
     meta["wall_seconds"] = time.perf_counter() - start
     return {
         "meta": meta,
-        "floor": {"generate": generate, "train": train, "broadcast": broadcast, "seconds": floor},
-        "dsv4rl": dsv4rl,
+        "floor": floor,
+        **runs,
         "ratios": ratios,
         "targets": {"step_vs_floor": 1.25},
     }
@@ -268,15 +292,21 @@ def print_report(result: dict[str, Any]) -> None:
     for name, mine, base in rows:
         print(f"{name:<10}{mine:>10.3f}{base:>10.3f}{mine / base:>8.2f}")
     print(f"eval {ours['eval_s']:.3f} s/step on average, other {ours['other_s']:.3f} s/step")
-    print(f"dsv4rl train: {ours['steps']} steps in {ours['wall_s']:.1f} s from command to exit, "
-          f"last-10 reward {ours['last10_reward']:.3f}")  # fmt: skip
+    if "dsv4rl_async" in result:
+        mine = result["dsv4rl_async"]["step_s"]
+        print(f"{'async step':<10}{mine:>10.3f}{floor['seconds']:>10.3f}{mine / floor['seconds']:>8.2f}")
+    for name in ("dsv4rl", "dsv4rl_async"):
+        if name in result:
+            run = result[name]
+            print(f"{name}: {run['steps']} steps in {run['wall_s']:.1f} s from command to exit, "
+                  f"last-10 reward {run['last10_reward']:.3f}")  # fmt: skip
     print(json.dumps({"ratios": ratios}, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--peer"]:
-        serve_peer(int(argv[1]), [(shape, dtype) for shape, dtype in json.loads(argv[2])])
+        serve_peer(int(argv[1]), int(argv[2]))
         return 0
     return bench_main(
         __doc__,
@@ -288,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         extra_args=[
             (("--steps",), {"type": int, "default": 0, "help": "steps of the dsv4rl run (default 40)"}),
             (("--override",), {"action": "append", "default": [], "help": "a recipe override (repeatable)"}),
+            (("--no-async",), {"action": "store_true", "help": "skip the run with async rollouts"}),
         ],
     )
 

@@ -169,7 +169,7 @@ def measure_push(
     bucket_bytes: int,
     repeats: int,
     timeout_s: float,
-    load_format: str | None = None,
+    load_format: str = "per_tensor",
     wire_mode: str | None = None,
 ) -> dict[str, Any]:
     from dsv4rl.config.schema import SyncConfig
@@ -190,7 +190,7 @@ def measure_push(
     return {
         "variant": label,
         "bucket_bytes": bucket_bytes,
-        "format": load_format or "per_tensor_broadcast",
+        "format": "per_tensor_broadcast" if load_format == "per_tensor" else load_format,
         "wire": wire_mode or "as_is",
         "repeats": repeats,
         "bytes": best.bytes,

@@ -115,7 +115,7 @@ def measure_sync(
     *,
     set_name: str,
     bucket_bytes: int,
-    load_format: str | None,
+    load_format: str,
     repeats: int,
     timeout_s: float,
 ) -> dict[str, Any]:
@@ -132,7 +132,7 @@ def measure_sync(
     best = min(runs, key=lambda s: s.seconds)
     return {
         "set": set_name,
-        "format": load_format or "per_tensor",
+        "format": load_format,
         "bucket_bytes": bucket_bytes,
         "repeats": repeats,
         "bytes": best.bytes,
@@ -268,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ("tiny", tiny_named, urls["tiny"], mode["tiny_buckets"], mode["tiny_repeats"]),
                 ("synthetic", synth_named, urls["synthetic"], mode["synth_buckets"], mode["synth_repeats"]),
             ]:
-                for load_format in (None, FLAT):
+                for load_format in ("per_tensor", FLAT):
                     for bucket_bytes in buckets:
                         syncs.append(
                             measure_sync(

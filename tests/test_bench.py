@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -81,16 +82,22 @@ def test_quant_sync_bench_quick(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_loop_overhead_bench_quick(tmp_path: Path) -> None:
-    """The floor's three parts and a 4-step run, each ratio computed from the numbers of the same run."""
+    """The floor's three parts, measured before and after a 4-step run and a 4-step async run; each ratio
+    computed from the numbers of the same bench run."""
     out = tmp_path / "loop_overhead.json"
     proc = run_quick(LOOP_BENCH, out, 580, "--steps", "4")
     result = json.loads(out.read_text())
     floor, ours, ratios = result["floor"], result["dsv4rl"], result["ratios"]
     assert floor["generate"]["samples"] == 512 and floor["train"]["sequences"] == 512
+    for part in ("generate", "train", "broadcast"):
+        runs = floor[part]["runs_seconds"]
+        assert len(runs) == 2 and floor[part]["seconds"] == pytest.approx(statistics.median(runs))
     assert floor["seconds"] == pytest.approx(
         sum(floor[p]["seconds"] for p in ("generate", "train", "broadcast"))
     )
     assert ours["steps"] == 4 and ours["step_s"] > 0 and ours["wall_s"] > ours["step_s"]
     assert ratios["step_vs_floor"] == pytest.approx(ours["step_s"] / floor["seconds"])
     assert ratios["sync_vs_broadcast"] == pytest.approx(ours["sync_s"] / floor["broadcast"]["seconds"])
-    assert "step_vs_floor" in proc.stdout
+    assert "algo.async_rollout=true" in result["dsv4rl_async"]["overrides"]
+    assert ratios["async_step_vs_floor"] == pytest.approx(result["dsv4rl_async"]["step_s"] / floor["seconds"])
+    assert "step_vs_floor" in proc.stdout and "async step" in proc.stdout

@@ -60,7 +60,7 @@ def make_sync(engines: list[FakeEngine], ranks: list[int], **kwargs) -> WeightSy
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+@pytest.mark.parametrize("load_format", ["per_tensor", "flattened_bucket"])
 def test_every_bucket_reaches_every_engine_by_handle(load_format) -> None:
     engines = [FakeEngine("e0"), FakeEngine("e1")]
     sync = make_sync(engines, [1, 2], load_format=load_format)
@@ -81,7 +81,8 @@ def test_every_bucket_reaches_every_engine_by_handle(load_format) -> None:
             assert torch.equal(engine.loaded[name].view(torch.uint8), tensor.view(torch.uint8)), name
         bodies = engine.tensor_requests()
         assert all(len(b["serialized_named_tensors"]) == ranks for b in bodies)
-        assert all(b.get("load_format") == load_format for b in bodies)
+        wire = None if load_format == "per_tensor" else load_format  # SGLang's null: per tensor
+        assert all(b.get("load_format") == wire for b in bodies)
         assert [b.get("weight_version") for b in bodies] == [None] * (stats.buckets - 1) + ["v7"]
         assert [b["flush_cache"] for b in bodies] == [False] * (stats.buckets - 1) + [True]
 

@@ -67,6 +67,8 @@ class RecordingTransport(httpx.AsyncBaseTransport):
 
 
 def make_sync(url: str | list[str], bucket_bytes: int, transport=None, **kwargs) -> WeightSync:
+    """Per tensor (SGLang's default) unless the test says otherwise; recipes default to flattened buckets."""
+    kwargs.setdefault("load_format", "per_tensor")
     cfg = SyncConfig(
         bucket_bytes=bucket_bytes, timeout_s=kwargs.pop("timeout_s", 60.0), **kwargs.pop("cfg", {})
     )

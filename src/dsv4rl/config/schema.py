@@ -110,6 +110,14 @@ class PauseMode(StrEnum):
     in_place = "in_place"  # kept with their (stale) KV cache
 
 
+class SyncLoadFormat(StrEnum):
+    """How a bucket crosses the wire: SGLang's `load_format` of /update_weights_from_distributed and
+    /update_weights_from_tensor."""
+
+    per_tensor = "per_tensor"  # SGLang's null: one broadcast (or handle) per tensor
+    flattened_bucket = "flattened_bucket"  # one uint8 buffer per bucket: one collective per request
+
+
 class GraderName(StrEnum):
     arith = "arith"
     dapo = "dapo"  # "Answer: X" on the last line, DAPO's rule
@@ -416,6 +424,9 @@ class SyncConfig:
     bucket_bytes: int = 1 << 30
     group_name: str = "weight_update_group"
     pause_mode: PauseMode = PauseMode.retract
+    # One broadcast per bucket instead of one per tensor: a 155-tensor tiny model syncs in half the time
+    # (bench/weight_sync.py), and a DeepSeek-V4 bucket of thousands of tensors needs no per-tensor call.
+    load_format: SyncLoadFormat = SyncLoadFormat.flattened_bucket
     # The weight-update group's timeout on both ends: the trainer's, and the engines' (the planner passes it
     # to SGLang, whose own default is 30 min).
     timeout_s: float = 600.0

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from dsv4rl.config.schema import SyncTransport
+from dsv4rl.config.schema import SyncLoadFormat, SyncTransport
 from dsv4rl.quant.formats import WireFormat
 from dsv4rl.sync.buckets import FLATTENED_BUCKET, NamedTensor, sort_for_flattening
 from dsv4rl.sync.checksum import checksums
@@ -91,10 +91,10 @@ class WeightSync:
     colocated engines by tensor handles.
 
     `clients` are `EngineClient`s (or anything with the same async methods). `engine_ranks[i]` is engine
-    i's TP size, the ranks it adds to the group (1 for the reference engine). `load_format` is None (one
-    broadcast per tensor) or "flattened_bucket" (one per bucket); when None it is read from
-    `sync_cfg.load_format` if that field exists. `wire_format` converts native tensors to what the engines
-    hold (None: sent as they are); the trainer sets it once it knows what the engines serve.
+    i's TP size, the ranks it adds to the group (1 for the reference engine). `load_format`
+    (a `SyncLoadFormat`: one broadcast per tensor, or one per bucket) defaults to `sync.load_format`.
+    `wire_format` converts native tensors to what the engines hold (None: sent as they are); the trainer
+    sets it once it knows what the engines serve.
     `group_name` names this sender's group (default `sync_cfg.group_name`; one per pipeline stage).
     `pause`: pause generation (`sync.pause_mode`) from the session's start to its end.
     `transport`: `broadcast` over a group this sender hosts at `master_address:master_port`, or `tensor`
@@ -130,9 +130,12 @@ class WeightSync:
             raise ValueError(f"sync.bucket_bytes must be positive, got {sync_cfg.bucket_bytes}")
         if sync_cfg.timeout_s <= 0:
             raise ValueError(f"sync.timeout_s must be positive, got {sync_cfg.timeout_s}")
-        load_format = load_format if load_format is not None else getattr(sync_cfg, "load_format", None)
-        if load_format not in (None, FLATTENED_BUCKET):
-            raise ValueError(f"load_format must be null or {FLATTENED_BUCKET!r}, got {load_format!r}")
+        chosen = str(load_format if load_format is not None else sync_cfg.load_format)
+        if chosen not in list(SyncLoadFormat):
+            raise ValueError(
+                f"load_format must be one of {[f.value for f in SyncLoadFormat]}, got {chosen!r}"
+            )
+        load_format = None if chosen == SyncLoadFormat.per_tensor else FLATTENED_BUCKET  # SGLang's values
         ranks = [1] * len(clients) if engine_ranks is None else [int(r) for r in engine_ranks]
         if len(ranks) != len(clients) or any(r < 1 for r in ranks):
             raise ValueError(f"engine_ranks must give a positive rank count per engine, got {engine_ranks}")
