@@ -15,9 +15,10 @@ model, batch and threads the run gets:
 Then `dsv4rl train recipe=tiny_arith` runs for `--steps` steps as a user runs it, and again with one-step-
 off-policy async rollouts (unless --no-async); each metrics.jsonl gives each phase's mean over the steps
 after the first two. Each floor is the median of its repeats, half measured before the runs and half
-after, so a machine whose speed drifts during the bench (shared VMs do, by 20 % and more) moves the floor
-with the runs. Printed: step / floor for both runs, each phase of the synchronous run over its own floor
-(rollout + reward vs generate, train vs train, sync vs broadcast), and the runs' wall times.
+after, so that a machine whose speed drifts during the bench (shared VMs do, by 20-30 %) moves the floor
+with the runs as far as a median can. Printed: step / floor for both runs, each phase of the synchronous
+run over its own floor (rollout + reward vs generate, train vs train, sync vs broadcast), and the runs'
+wall times.
 """
 
 from __future__ import annotations
