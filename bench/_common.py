@@ -25,6 +25,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
+# One-step-off-policy rollouts as the benches run them (async needs TIS or MIS).
+ASYNC_OVERRIDES = ("algo.async_rollout=true", "algo.tis.enabled=true")
 
 
 def free_port() -> int:

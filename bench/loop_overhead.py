@@ -34,11 +34,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import ROOT, bench_main, free_port, install_signal_handlers, run_meta, train_tiny_arith
+from _common import (
+    ASYNC_OVERRIDES,
+    ROOT,
+    bench_main,
+    free_port,
+    install_signal_handlers,
+    run_meta,
+    train_tiny_arith,
+)
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "loop_overhead.json"
 PHASES = ("rollout", "reward", "train", "sync", "eval")
-ASYNC = ["algo.async_rollout=true", "algo.tis.enabled=true"]
 FLOORS = ("generate", "train", "broadcast")
 
 
@@ -251,7 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         before = measure_floor(model_dir, cfg, threads, repeats)
         runs = {"dsv4rl": run_dsv4rl(steps, overrides, Path(tmp) / "sync")}
         if not args.no_async:
-            runs["dsv4rl_async"] = run_dsv4rl(steps, [*ASYNC, *overrides], Path(tmp) / "async")
+            runs["dsv4rl_async"] = run_dsv4rl(steps, [*ASYNC_OVERRIDES, *overrides], Path(tmp) / "async")
         floor = merge_sittings(before, measure_floor(model_dir, cfg, threads, repeats))
     dsv4rl = runs["dsv4rl"]
     ratios = {

@@ -30,10 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, bench_main, install_signal_handlers, run_meta, train_tiny_arith
+from _common import ASYNC_OVERRIDES, ROOT, bench_main, install_signal_handlers, run_meta, train_tiny_arith
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "vs_trl.json"
-ASYNC = ["algo.async_rollout=true", "algo.tis.enabled=true"]
 TRL_INSTALL = (
     "python -m venv trl-venv && trl-venv/bin/pip install torch==2.13.0 transformers==5.23.0 trl==1.16.0"
 )
@@ -152,7 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["trl"] = run_trl(args.trl_python, write_setup(cfg, steps, workdir), workdir)
         results["dsv4rl"] = run_dsv4rl(steps, list(args.override), workdir / "sync")
         if not args.no_async:
-            results["dsv4rl_async"] = run_dsv4rl(steps, [*ASYNC, *args.override], workdir / "async")
+            results["dsv4rl_async"] = run_dsv4rl(steps, [*ASYNC_OVERRIDES, *args.override], workdir / "async")
     trl_wall = results["trl"]["wall_s"]
     ratios = {f"{name}_wall_vs_trl": results[name]["wall_s"] / trl_wall for name in results if name != "trl"}
     meta = run_meta("vs_trl", "quick" if args.quick else "full", {"steps": steps})

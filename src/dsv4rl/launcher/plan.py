@@ -126,8 +126,8 @@ def _base_env(cfg: Config, base_env: Mapping[str, str] | None) -> dict[str, str]
 def _cpu_threads(cfg: Config, env: dict[str, str], local_procs: int) -> dict[str, str]:
     """On CPU, split the cores between the node's processes (a set OMP_NUM_THREADS wins); with every node
     on this machine, between all nodes' processes (the same threads, so the same numbers, as on one node).
-    The engines and the trainer mostly take turns, but giving each every core was measured 3-5x slower on
-    2 cores: OpenMP threads of one process spin while the other's want the cores."""
+    The engines and the trainer mostly take turns, but a trainer with every core slowed down after its
+    first checkpoint save (README, "Loop speed"), so each process keeps its share."""
     if cfg.cluster.gpus_per_node > 0 or "OMP_NUM_THREADS" in env:
         return env
     if on_one_machine(cfg):
@@ -229,8 +229,8 @@ def build_local_plan(
     model_path: str | None = None,
     task: str = "train",
 ) -> list[ProcessSpec]:
-    """Engines first (they must be healthy before the trainer starts), then the trainer (`task`: train or
-    align; eval: the evaluating process). SGLang engines also get `quant.engine_env`."""
+    """Engines first, then the trainer (`task`: train or align; eval: the evaluating process), which waits
+    for the engines itself. SGLang engines also get `quant.engine_env`."""
     run_dir = Path(run_dir)
     logs = run_dir / "logs"
     node = cfg.cluster.node_rank
