@@ -33,6 +33,7 @@ from dsv4rl.model.naming import (
     scale_name,
     state_dict_to_native,
 )
+from dsv4rl.model.sinkhorn import use_fast_sinkhorn
 from dsv4rl.quant.formats import WireFormat, dequantize
 from dsv4rl.quant.fp8 import DEFAULT_BLOCK, E4M3
 from dsv4rl.quant.scales import E8M0
@@ -241,11 +242,13 @@ def load_native_checkpoint(
     """(model in `dtype` holding the dequantized weights, the checkpoint's tensors as stored).
 
     A transformers directory (`save_pretrained`) loads through transformers; its tensors are then the
-    model's own, under native names.
+    model's own, under native names. The mHC modules run their Sinkhorn rounds in
+    `dsv4rl.model.sinkhorn` (the same values, a fraction of the time).
     """
     if not is_native_checkpoint(directory):
         model = DeepseekV4ForCausalLM.from_pretrained(str(directory), dtype=dtype)
         model.config._attn_implementation = "eager"
+        use_fast_sinkhorn(model)
         stored = {name: t.detach().clone() for name, t in state_dict_to_native(model.state_dict())}
         return model.eval(), stored
     config = load_hf_config(directory)
@@ -253,6 +256,7 @@ def load_native_checkpoint(
         model = DeepseekV4ForCausalLM(config)
     stored = read_tensors(directory)
     load_native_state(model, dequantized_native_state(stored, block_size(read_config(directory))))
+    use_fast_sinkhorn(model)
     return model.to(dtype).eval(), stored
 
 

@@ -16,18 +16,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from dsv4rl.model.sinkhorn import sinkhorn
+
 
 def unweighted_rms_norm(x: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
-    """`iters` column normalisations and `iters - 1` row normalisations, columns first."""
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
 
 
 class HyperConnection(MegatronModule):
