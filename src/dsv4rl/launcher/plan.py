@@ -132,7 +132,7 @@ def _cpu_threads(
 
     The synchronous loop takes turns: the trainer waits while the engines generate and the engines idle
     while it trains, so each side splits every core between its own processes (on 2 cores, 2 threads
-    train the tiny model about 25 % faster than 1 and generate about 30 % faster). Async rollouts overlap
+    train the tiny model about a third faster than 1 and generate about 30 % faster). Async rollouts overlap
     the two, and OpenMP threads of one process spin while another's want the cores (2 threads each was
     2.5x slower there), so every process keeps an equal share."""
     if cfg.cluster.gpus_per_node > 0 or "OMP_NUM_THREADS" in env:
