@@ -20,16 +20,30 @@ from dsv4rl.launcher.plan import ProcessSpec
 from dsv4rl.launcher.supervisor import Supervisor
 
 ENGINE = r"""
-import http.server, sys
+import http.server, os, sys, threading
 from dsv4rl.faults import heartbeat
 from dsv4rl.faults.child import child_process
 
+# One worker, as in the real engine: a health probe is a generate too and waits behind a batch.
+# FAKE_LATE_PROBE=1: the supervisor's probes lose the race with the trainer's first generate.
+worker, generated = threading.Lock(), threading.Event()
+late_probe = os.environ.get("FAKE_LATE_PROBE") == "1"
+
 class Engine(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        status = 200
         if self.path == "/generate":
-            with heartbeat.busy("generate"):
+            generated.set()
+            with worker, heartbeat.busy("generate"):
                 pass
-        self.send_response(200)
+        elif self.path == "/health_generate":  # the supervisor's probe
+            if late_probe and not generated.wait(timeout=1.0):
+                status = 503
+            elif worker.acquire(timeout=1.0):
+                worker.release()
+            else:
+                status = 503
+        self.send_response(status)
         self.send_header("Content-Length", "0")
         self.end_headers()
 
@@ -65,7 +79,7 @@ def train(step):
 def wait_for_engine():  # as the real trainer does: it starts with the engine and waits for it
     for _ in range(1200):
         try:
-            return urllib.request.urlopen(f"http://127.0.0.1:{port}/health_generate", timeout=5).read()
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read()
         except OSError:
             time.sleep(0.05)
 def run_steps():
@@ -179,6 +193,22 @@ def test_an_engine_stuck_in_generate_is_named_while_the_trainer_waits_in_rollout
     engine_stacks = (tmp_path / "logs" / "stacks-engine-0.txt").read_text()
     assert "in do_GET" in engine_stacks and "in block_forever" in engine_stacks
     assert "in generate" in (tmp_path / "logs" / "stacks-trainer-rank0.txt").read_text()
+
+
+def test_an_engine_stuck_in_the_trainers_first_generate_is_named_during_the_startup_wait(tmp_path):
+    # The trainer starts with the engines and waits for them itself; its first generate can hang the
+    # engine before the supervisor's own /health_generate wait is over. That wait never ends then, and the
+    # hang must still be named after step_timeout_s, not reported as an engine that never became healthy.
+    specs = fake_run(tmp_path, **{HANG_ENV: "engine-0:generate", "FAKE_LATE_PROBE": "1"})
+    code, out, sup = supervise(specs, tmp_path, step_timeout_s=1.5)
+    assert code == 1 and sup.hang is not None
+    assert "engines healthy" not in out and "is not healthy" not in out, out
+    named = (
+        r"in phase rollout at step 1 \(run.step_timeout_s=1.5\): engine-0 did not advance, "
+        r"busy in generate for [\d.]+ s while trainer-rank0 waits on it in rollout at step 1"
+    )
+    assert re.search(named, out), out
+    assert "in block_forever" in (tmp_path / "logs" / "stacks-engine-0.txt").read_text()
 
 
 def test_a_long_phase_that_keeps_progressing_is_no_hang(tmp_path):

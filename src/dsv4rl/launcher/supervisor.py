@@ -254,11 +254,19 @@ class Supervisor:
         """None when all are healthy; else (engine, reason)."""
 
         def should_abort(target: HealthTarget) -> bool:
-            self.tracker.refresh()  # remember what the engines spawn while they load
+            table = self.tracker.refresh()  # remember what the engines spawn while they load
             exited = target.child is not None and target.child.proc.poll() is not None
+            # A trainer started early waits for the engines itself and may be past that wait while this one
+            # still polls: an engine hung in the trainer's first generate never answers either, so the
+            # watchdog judges here too, or a 30 s hang would be reported as a 300 s startup failure.
+            hung = self.hang is not None or self._hung(table)
             # a trainer that already failed ends the wait: the watch loop below reports it
             return (
-                exited or self._trainer_failed() or bool(self._signals) or self._node_lost(stopped_only=True)
+                exited
+                or hung
+                or self._trainer_failed()
+                or bool(self._signals)
+                or self._node_lost(stopped_only=True)
             )
 
         async def one(target: HealthTarget) -> None:
@@ -383,6 +391,8 @@ class Supervisor:
         failure = self._wait_healthy(targets + remote)
         if self._interrupted():
             return INTERRUPTED
+        if self.hang is not None:
+            return 1
         if self._lost_node is not None:
             return self._on_node_lost(None if self._trainer_specs() else self.done_marker)
         engine_died = (
