@@ -14,17 +14,19 @@ model, batch and threads the run gets:
 
 Then `dsv4rl train recipe=tiny_arith` runs for `--steps` steps as a user runs it, and again with one-step-
 off-policy async rollouts (unless --no-async); each metrics.jsonl gives each phase's mean over the steps
-after the first two. Each floor is the median of its repeats, half measured before the runs and half
-after, so that a machine whose speed drifts during the bench (shared VMs do, by 20-30 %) moves the floor
-with the runs as far as a median can. Printed: step / floor for both runs, each phase of the synchronous
-run over its own floor (rollout + reward vs generate, train vs train, sync vs broadcast), and the runs'
-wall times.
+after the first two. Each floor is the median of its repeats, measured in three sittings (before the
+runs, between them and after them), so that a machine whose speed drifts during the bench (shared VMs
+do, by 20-30 %) moves the floor with the runs as far as a median can. Printed: step / floor for both
+runs, each phase of the synchronous run over its own floor (rollout + reward vs generate, train vs
+train, sync vs broadcast), and the runs' wall times.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -100,7 +102,8 @@ def measure_generate(model: torch.nn.Module, cfg: Any, prompts: list[list[int]],
     return {"runs_seconds": runs, "samples": len(samples)}, samples
 
 
-def measure_train(model_dir: str, cfg: Any, requests: list[Any], repeats: int) -> dict:
+def measure_train(model_dir: str, cfg: Any, requests: list[tuple], repeats: int) -> dict:
+    """`requests`: (prompt ids, output ids, output log-probs) of each generated sample."""
     from dsv4rl.algo.grpo import token_logprobs
     from dsv4rl.algo.loss import micro_batch_loss
     from dsv4rl.model.native_checkpoint import load_native_model
@@ -109,10 +112,13 @@ def measure_train(model_dir: str, cfg: Any, requests: list[Any], repeats: int) -
 
     model = load_native_model(model_dir, dtype=torch.float32).eval()
     optim = cfg.optim
-    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps)
+    # fused, as the FSDP engine's: the floor is the fastest known way to take this step
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, fused=True
+    )
     samples = [
-        Sample(i // cfg.algo.group_size, r.input_ids, r.output_ids, r.output_logprobs, "", "length")
-        for i, r in enumerate(requests)
+        Sample(i // cfg.algo.group_size, list(prompt), list(output), list(logprobs), "", "length")
+        for i, (prompt, output, logprobs) in enumerate(requests)
     ]
     for i, sample in enumerate(samples):
         sample.advantage = 1.0 if i % 2 else -1.0
@@ -219,24 +225,70 @@ def run_dsv4rl(steps: int, overrides: list[str], run_dir: Path) -> dict:
     }
 
 
-def measure_floor(model_dir: str, cfg: Any, threads: dict[str, int], repeats: int) -> dict[str, dict]:
-    """One sitting of every floor, each on the threads its process gets in the run."""
+def floor_process(
+    role: str, model_dir: str, threads: int, repeats: int, samples_path: str, overrides: str
+) -> None:
+    """One floor in a process of its own, which prints its JSON (`--floor`). As in the run, the process
+    is fresh and computes on one thread's OpenMP team: a process whose second thread has run parallel
+    ops too (the Generator's worker, then the main thread) has libgomp manage more threads than cores,
+    and libgomp then stops spinning between parallel regions; in one process the generate floor took
+    0.07 s before the train floor ran there and 0.2 s after."""
     from dsv4rl.model.native_checkpoint import load_native_model
 
-    model = load_native_model(model_dir, dtype=torch.float32).eval()
-    torch.set_num_threads(threads["engine"])
-    generate, requests = measure_generate(model, cfg, step_prompts(cfg), repeats)
-    torch.set_num_threads(threads["trainer"])
-    train = measure_train(model_dir, cfg, requests, repeats)
+    cfg = tiny_arith(json.loads(overrides))
+    torch.set_num_threads(threads)
+    path = Path(samples_path)
+    if role == "generate":
+        model = load_native_model(model_dir, dtype=torch.float32).eval()
+        freeze_gc()
+        result, requests = measure_generate(model, cfg, step_prompts(cfg), repeats)
+        triples = [(r.input_ids, r.output_ids, r.output_logprobs) for r in requests]
+        path.write_text(json.dumps(triples))
+    else:
+        requests = json.loads(path.read_text())
+        freeze_gc()
+        result = measure_train(model_dir, cfg, requests, repeats)
+    print(json.dumps(result), flush=True)
+
+
+def freeze_gc() -> None:
+    """As the run's engines and trainer do: a full collection must not walk the imports and the model."""
+    gc.collect()
+    gc.freeze()
+
+
+def run_floor_process(
+    role: str, model_dir: str, threads: int, repeats: int, samples: Path, overrides: list[str]
+) -> dict:
+    argv = [sys.executable, __file__, "--floor", role, model_dir, str(threads), str(repeats), str(samples),
+            json.dumps(overrides)]  # fmt: skip
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(threads)}
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {role} floor failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure_floor(
+    model_dir: str, threads: dict[str, int], repeats: int, overrides: list[str]
+) -> dict[str, dict]:
+    """One sitting of every floor, each in a fresh process on the threads its process gets in the run."""
+    from dsv4rl.model.native_checkpoint import load_native_model
+
+    samples = Path(model_dir).parent / "floor-samples.json"
+    generate = run_floor_process("generate", model_dir, threads["engine"], repeats, samples, overrides)
+    train = run_floor_process("train", model_dir, threads["trainer"], repeats, samples, overrides)
+    model = load_native_model(model_dir, dtype=torch.float32)
     return {"generate": generate, "train": train, "broadcast": measure_broadcast(model, repeats)}
 
 
-def merge_sittings(before: dict[str, dict], after: dict[str, dict]) -> dict[str, Any]:
-    """Each floor's runs from both sittings and their median; `seconds` is the floor of a whole step."""
+def merge_sittings(sittings: list[dict[str, dict]]) -> dict[str, Any]:
+    """Each floor's runs from every sitting and their median; `seconds` is the floor of a whole step."""
     floor: dict[str, Any] = {}
     for name in FLOORS:
-        runs = before[name]["runs_seconds"] + after[name]["runs_seconds"]
-        floor[name] = {**before[name], "runs_seconds": runs, "seconds": statistics.median(runs)}
+        runs = [seconds for sitting in sittings for seconds in sitting[name]["runs_seconds"]]
+        floor[name] = {**sittings[0][name], "runs_seconds": runs, "seconds": statistics.median(runs)}
     floor["seconds"] = sum(floor[name]["seconds"] for name in FLOORS)
     return floor
 
@@ -249,17 +301,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     overrides = list(args.override)
     cfg = tiny_arith(overrides)
-    repeats = 1 if args.quick else 3
+    repeats = 1 if args.quick else 5
     steps = args.steps or (8 if args.quick else 40)
     with tempfile.TemporaryDirectory(prefix="dsv4rl-loop-bench-") as tmp:
         plan = build_local_plan(cfg, Path(tmp) / "plan")
         threads = {spec.role: int(spec.env.get("OMP_NUM_THREADS", torch.get_num_threads())) for spec in plan}
         model_dir = materialize_model(cfg.model, str(Path(tmp) / "model"))
-        before = measure_floor(model_dir, cfg, threads, repeats)
+        # A floor sitting before, between and after the runs: the machine's drift moves both alike
+        sittings = [measure_floor(model_dir, threads, repeats, overrides)]
         runs = {"dsv4rl": run_dsv4rl(steps, overrides, Path(tmp) / "sync")}
         if not args.no_async:
+            sittings.append(measure_floor(model_dir, threads, repeats, overrides))
             runs["dsv4rl_async"] = run_dsv4rl(steps, [*ASYNC_OVERRIDES, *overrides], Path(tmp) / "async")
-        floor = merge_sittings(before, measure_floor(model_dir, cfg, threads, repeats))
+        sittings.append(measure_floor(model_dir, threads, repeats, overrides))
+        floor = merge_sittings(sittings)
     dsv4rl = runs["dsv4rl"]
     ratios = {
         "step_vs_floor": dsv4rl["step_s"] / floor["seconds"],
@@ -271,7 +326,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratios["async_step_vs_floor"] = runs["dsv4rl_async"]["step_s"] / floor["seconds"]
     sizes = {
         "steps": steps,
-        "repeats": 2 * repeats,
+        "repeats": len(sittings) * repeats,
         "threads": threads,
         "samples": floor["generate"]["samples"],
     }
@@ -315,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--peer"]:
         serve_peer(int(argv[1]), int(argv[2]))
+        return 0
+    if argv[:1] == ["--floor"]:
+        role, model_dir, threads, repeats, samples, overrides = argv[1:7]
+        floor_process(role, model_dir, int(threads), int(repeats), samples, overrides)
         return 0
     return bench_main(
         __doc__,

@@ -224,7 +224,12 @@ def test_two_trainer_ranks(tmp_path: Path) -> None:
     assert [line["step"] for line in metrics] == [1, 2, 3]
     assert max(line["logprob_abs_diff"] for line in metrics) < 1e-4
     assert all(line["response_len_mean"] > 1 for line in metrics)
-    assert "rank1" in (run_dir / "logs" / "trainer.log").read_text()
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "rank1" in trainer_log
+    # engine.freeze_gc (on by default): the trainer asked the engine, and both froze their own objects
+    assert "froze the garbage collector of 1 engine(s)" in trainer_log
+    assert trainer_log.count("objects out of the garbage collector") == 2  # each rank
+    assert "Freezing GC in the engine process" in (run_dir / "logs" / "engine-0.log").read_text()
 
 
 def test_megatron_backend_learns(tmp_path: Path) -> None:

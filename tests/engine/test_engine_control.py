@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -194,6 +195,21 @@ def test_auth(make_client, path, method, headers, status):
     assert response.status_code == status
     if status == 401:
         assert response.json() == {"error": "Unauthorized"}
+
+
+def test_freeze_gc_moves_every_live_object_out_of_the_collectors_reach(make_client):
+    client = make_client(admin_api_key="admin")
+    assert client.post("/freeze_gc").status_code == 401  # an admin route, as in SGLang
+    gc.unfreeze()
+    try:
+        for method in ("get", "post"):
+            response = getattr(client, method)("/freeze_gc", headers={"Authorization": "Bearer admin"})
+            assert response.status_code == 200 and response.text == "Garbage collection frozen.\n"
+        assert gc.get_freeze_count() > 10_000  # torch, transformers and the model
+        body = {"input_ids": [5], "sampling_params": {"max_new_tokens": 1}}
+        assert client.post("/generate", json=body).status_code == 200  # generation is not affected
+    finally:
+        gc.unfreeze()  # give the rest of the test session its collector back
 
 
 def test_admin_endpoints_fall_back_to_the_api_key(make_client):

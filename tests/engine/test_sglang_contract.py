@@ -60,6 +60,7 @@ def client_requests() -> list[tuple[str, str, dict | None, dict]]:
         await client.pause_generation("retract")
         await client.continue_generation()
         await client.flush_cache(timeout_s=5.0)
+        await client.freeze_gc()
         await client.begin_weight_update()
         await client.init_weights_update_group("127.0.0.1", 29600, 1, 2, "g", "nccl")
         await client.update_weights_from_distributed(
@@ -168,7 +169,13 @@ def test_contract_is_for_the_pinned_release_and_its_torch() -> None:
 def test_every_client_request_is_one_sglang_takes() -> None:
     requests = client_requests()
     called = {path for _, path, _, _ in requests}
-    assert {"/generate", "/update_weights_from_distributed", "/flush_cache", "/weights_checker"} <= called
+    assert {
+        "/generate",
+        "/update_weights_from_distributed",
+        "/flush_cache",
+        "/weights_checker",
+        "/freeze_gc",
+    } <= called
     colocated = {"/update_weights_from_tensor", "/release_memory_occupation", "/resume_memory_occupation"}
     assert colocated <= called
     assert problems_of_client(CONTRACT) == []

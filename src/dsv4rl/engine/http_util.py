@@ -46,7 +46,7 @@ ADMIN_PATHS = frozenset(
         "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weight_version",
         "/update_weights_from_tensor", "/update_weights_from_disk", "/weights_checker",
         "/get_weights_by_name", "/pause_generation", "/continue_generation", "/abort_request",
-        "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
+        "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation", "/freeze_gc",
     }
 )  # fmt: skip
 

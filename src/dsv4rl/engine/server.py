@@ -7,6 +7,7 @@ with uvicorn. Weight-update endpoints live in `dsv4rl.engine.weight_routes`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -137,6 +138,15 @@ class Engine:
         self.status = "Up"
         self.ready.set()
         log.info(READY_LINE)
+
+    def freeze_gc(self) -> None:
+        """SGLang's /freeze_gc: every object alive now (imports, the model, the warmup's) moves to the
+        permanent generation, so a full collection no longer walks them. Without it a full collection
+        in this process took 0.19-0.25 s, a whole generate of the tiny_arith batch, every few requests."""
+        before = gc.get_count()
+        gc.freeze()
+        log.info("Freezing GC in the engine process: %d objects frozen (gen0/1/2 counts were %s)",
+                 gc.get_freeze_count(), before)  # fmt: skip
 
     async def health_generate(self) -> bool:
         """A real 1-token generate; any engine progress counts, as in SGLang (never while paused)."""
@@ -367,6 +377,11 @@ def create_app(model_path: str, *, receiver: Any = None, **kwargs: Any) -> FastA
             "Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)\n"
         )
+
+    @app.api_route("/freeze_gc", methods=["GET", "POST"])
+    async def freeze_gc() -> Response:
+        engine.freeze_gc()
+        return Response(content="Garbage collection frozen.\n", status_code=200)
 
     from dsv4rl.engine.memory_routes import add_memory_routes
     from dsv4rl.engine.weight_routes import add_weight_routes

@@ -302,6 +302,13 @@ class EngineClient:
         response = await self._request("POST", "/flush_cache", params=params, retry=False, admin=True)
         return response.text
 
+    async def freeze_gc(self) -> str:
+        """POST /freeze_gc: the engine's processes move every live object out of the garbage collector's
+        reach (SGLang answers plain text). Worth it once the model is loaded and warm: a full collection
+        otherwise walks every object of the imports and the model, which stalls a batch."""
+        response = await self._request("POST", "/freeze_gc", retry=False, admin=True)
+        return response.text
+
     # ----------------------------------------------------------------------------------- weights
     async def begin_weight_update(self) -> dict:
         return await self._weights("/begin_weight_update", {})

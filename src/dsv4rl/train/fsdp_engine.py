@@ -46,6 +46,16 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def full_tensor(tensor: Tensor) -> Tensor:
+    """The whole of a (possibly sharded) parameter. On a one-rank mesh the local shard is the whole
+    tensor: no all-gather (89 of them took 10 ms of a tiny model's 12 ms sync iterator)."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tensor.device_mesh.size() == 1:
+        return tensor.to_local()
+    return tensor.full_tensor()
+
+
 class LearningRateSchedule:
     """Multiplier of the base lr: linear warmup over `warmup` optimizer steps (step k uses (k+1)/warmup),
     then constant, or a cosine decay to `min_ratio` at step `total` - 1."""
@@ -277,7 +287,7 @@ class FSDPTrainEngine:
         stays int64). Non-persistent buffers (rotary inv_freq) are not sent.
         """
         for name, tensor in self.model.state_dict().items():
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            full = full_tensor(tensor)
             if self.rank == 0:
                 yield name, full.detach()
 
