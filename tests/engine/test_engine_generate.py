@@ -246,3 +246,22 @@ def test_input_logprobs_with_different_starts_in_one_batch(client):
         assert [e[1] for e in entries] == prompt[start:] and entries[0][0] is None
         expected = full_forward_logprobs(model, prompt)[start:]
         assert (torch.tensor([e[0] for e in entries[1:]]) - expected).abs().max().item() < 1e-5
+
+
+def test_a_plain_call_wakes_once_when_its_last_sequence_ends():
+    from dsv4rl.engine.generator import GenRequest
+    from dsv4rl.engine.sampling import SamplingParams
+    from dsv4rl.engine.server import LastToFinish
+
+    wakes = []
+    requests = [GenRequest([5], SamplingParams()) for _ in range(3)]
+    last = LastToFinish(len(requests), lambda: wakes.append(1))
+    last.changed(requests[0])  # a new token, not the end: nothing
+    for request in requests[:2]:
+        request.finish_reason = {"type": "length"}
+        last.changed(request)
+        last.changed(request)  # told twice (a token, then the end): counted once
+    assert wakes == []
+    requests[2].finish_reason = {"type": "abort"}  # an abort ends a sequence too
+    last.changed(requests[2])
+    assert wakes == [1]

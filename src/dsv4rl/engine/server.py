@@ -16,9 +16,10 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -314,8 +315,15 @@ def create_app(model_path: str, *, receiver: Any = None, **kwargs: Any) -> FastA
         )
         loop = asyncio.get_running_loop()
         changed = asyncio.Event()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(changed.set)
+
+        # A stream answers every change; a plain call wakes once, when its last sequence ends (a batch of
+        # 512 sequences used to wake this loop 512 times, each wake checking all 512).
+        last_one = None if call.stream else LastToFinish(len(call.requests), wake)
         for item in call.requests:
-            item.listeners.append(lambda: loop.call_soon_threadsafe(changed.set))
+            item.listeners.append(wake if last_one is None else partial(last_one.changed, item))
         try:
             engine.generator.submit(call.requests)
         except ValueError as error:
@@ -389,6 +397,27 @@ def create_app(model_path: str, *, receiver: Any = None, **kwargs: Any) -> FastA
     add_memory_routes(app, engine)
     add_weight_routes(app, engine)
     return app
+
+
+class LastToFinish:
+    """Calls `wake` once `count` distinct requests have finished; listeners run on the generator thread."""
+
+    def __init__(self, count: int, wake: Callable[[], None]) -> None:
+        self.left, self.wake = count, wake
+        self.seen: set[int] = set()
+        self.lock = threading.Lock()
+
+    def changed(self, request: GenRequest) -> None:
+        if not request.finished:
+            return
+        with self.lock:
+            if id(request) in self.seen:
+                return
+            self.seen.add(id(request))
+            self.left -= 1
+            done = self.left == 0
+        if done:
+            self.wake()
 
 
 def _abort_unfinished(engine: Engine, requests: list[GenRequest]) -> None:
