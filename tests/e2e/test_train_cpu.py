@@ -127,6 +127,8 @@ def test_eval_of_the_tiny_model_through_the_reference_engine(tmp_path: Path) -> 
     assert report["pass@8"] == pytest.approx(sum(row["correct"] > 0 for row in rows) / 16)
     assert report["response_len_mean"] == 1.0 and report["engines"] and report["seconds"]["generate"] > 0
     assert (tmp_path / "eval" / "tiny_arith" / "eval.json").is_file()
+    engine_log = (tmp_path / "eval" / "tiny_arith" / "logs" / "engine-0.log").read_text()
+    assert "Freezing GC in the engine process" in engine_log  # engine.freeze_gc holds for eval too
 
 
 def test_released_weight_format_with_async_rollouts_learns(tmp_path: Path) -> None:

@@ -451,9 +451,10 @@ class EngineConfig:
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
     max_concurrency: int = 64  # in-flight /generate requests per engine from the rollout client
-    # Once every engine answers and the weight-update groups are joined, the trainer asks each engine to
-    # freeze its garbage collector (POST /freeze_gc, SGLang's API): the objects of its imports and model
-    # leave the collector's reach, so a full collection no longer stalls a generate batch.
+    # Once every engine answers (and, in training, the weight-update groups are joined), the trainer or
+    # the eval process asks each engine to freeze its garbage collector (POST /freeze_gc, SGLang's API):
+    # the objects of its imports and model leave the collector's reach, so a full collection no longer
+    # stalls a generate batch.
     freeze_gc: bool = True
     retries: int = 2
     extra_args: list[str] = field(default_factory=list)

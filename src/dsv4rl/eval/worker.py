@@ -22,7 +22,7 @@ from dsv4rl.faults.child import child_process
 from dsv4rl.model.tiny import load_tokenizer
 from dsv4rl.reward.graders import get_grader
 from dsv4rl.train.loop import rollout_seed
-from dsv4rl.train.worker import engine_clients, wait_for_engines
+from dsv4rl.train.worker import engine_clients, freeze_engines_gc, wait_for_engines
 
 log = logging.getLogger("dsv4rl.eval")
 
@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     event_loop = asyncio.new_event_loop()
     try:
         wait_for_engines(cfg, clients, event_loop)
+        if cfg.engine.freeze_gc:
+            freeze_engines_gc(clients, event_loop)
         log.info(
             "eval %s: %d problems x %d samples", cfg.eval.name, len(problems), cfg.eval.samples_per_problem
         )
