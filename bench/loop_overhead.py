@@ -2,12 +2,12 @@
 
     python bench/loop_overhead.py [--quick] [--steps N] [--out bench/results/loop_overhead.json]
 
-The floor is what one tiny_arith step cannot do without, each part measured in this process on the same
-model, batch and threads the run gets:
+The floor is what one tiny_arith step cannot do without, each part measured on the same model, batch and
+threads the run gets; generate and train each in a fresh process, as the run's engine and trainer are:
 
 - generate: the reference engine's `Generator` (what serves /generate) producing the step's batch
   (prompts_per_step x group_size seeded samples), called in-process: no HTTP, no client;
-- train: one forward + backward + optimizer step of that batch through transformers' model and the
+- train: one forward + backward + fused AdamW step of that batch through transformers' model and the
   shared loss (`dsv4rl.algo.loss.micro_batch_loss`), without the loop around it;
 - broadcast: the model's bytes, as one buffer, broadcast over a gloo group to a peer process (the sync
   sends one flattened buffer per bucket, and tiny_arith has one bucket).
