@@ -77,6 +77,7 @@ def train(step):
     time.sleep(0.05)
 
 def wait_for_engine():  # as the real trainer does: it starts with the engine and waits for it
+    # (on /health, so that FAKE_LATE_PROBE delays only the supervisor's /health_generate probes)
     for _ in range(1200):
         try:
             return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read()
