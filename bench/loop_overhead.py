@@ -24,7 +24,6 @@ train, sync vs broadcast), and the runs' wall times.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -234,6 +233,7 @@ def floor_process(
     and libgomp then stops spinning between parallel regions; in one process the generate floor took
     0.07 s before the train floor ran there and 0.2 s after."""
     from dsv4rl.model.native_checkpoint import load_native_model
+    from dsv4rl.train.worker import freeze_own_gc as freeze_gc  # as the run's processes do
 
     cfg = tiny_arith(json.loads(overrides))
     torch.set_num_threads(threads)
@@ -249,12 +249,6 @@ def floor_process(
         freeze_gc()
         result = measure_train(model_dir, cfg, requests, repeats)
     print(json.dumps(result), flush=True)
-
-
-def freeze_gc() -> None:
-    """As the run's engines and trainer do: a full collection must not walk the imports and the model."""
-    gc.collect()
-    gc.freeze()
 
 
 def run_floor_process(

@@ -403,19 +403,17 @@ class LastToFinish:
     """Calls `wake` once `count` distinct requests have finished; listeners run on the generator thread."""
 
     def __init__(self, count: int, wake: Callable[[], None]) -> None:
-        self.left, self.wake = count, wake
-        self.seen: set[int] = set()
+        self.count, self.wake = count, wake
+        self.finished: set[int] = set()
         self.lock = threading.Lock()
 
     def changed(self, request: GenRequest) -> None:
         if not request.finished:
             return
         with self.lock:
-            if id(request) in self.seen:
-                return
-            self.seen.add(id(request))
-            self.left -= 1
-            done = self.left == 0
+            first_time = id(request) not in self.finished
+            self.finished.add(id(request))
+            done = first_time and len(self.finished) == self.count
         if done:
             self.wake()
 
