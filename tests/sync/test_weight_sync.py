@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -181,6 +182,75 @@ def test_paused_push_sends_version_and_flush_on_the_last_bucket_only(engine_url:
         stats.buckets - 1
     ) + [("v5-paused", True)]
     assert version_of(engine_url) == "v5-paused"
+
+
+class GatedOpening(RecordingTransport):
+    """Holds /begin_weight_update until the trainer starts pulling tensors from its pipeline (5 s at most),
+    and records whether that happened while the request was held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gather_started = threading.Event()
+        self.overlapped: bool | None = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/begin_weight_update":
+            self.overlapped = await asyncio.to_thread(self.gather_started.wait, 5.0)
+        return await super().handle_async_request(request)
+
+
+def test_the_session_opens_while_the_first_bucket_is_packed(engine_url: str) -> None:
+    """push sends /begin_weight_update and packs the first bucket meanwhile; the bucket still goes only
+    once the session is open (the engine would refuse it otherwise)."""
+    model = trainer_model(TRAINER_SEED + 6)
+    recorder = GatedOpening()
+
+    def weights():
+        recorder.gather_started.set()
+        yield from model.state_dict().items()
+
+    with make_sync(engine_url, bucket_bytes=1 << 30, transport=recorder, pause=False) as sync:
+        sync.push(weights(), "v6-overlap")
+    assert recorder.overlapped is True
+    assert sync_requests(recorder)[:3] == [
+        "/begin_weight_update",
+        "/update_weights_from_distributed",
+        "/end_weight_update",
+    ]
+    assert version_of(engine_url) == "v6-overlap"
+    assert_engine_holds(engine_url, model)
+
+
+def test_a_pipeline_failure_closes_the_session_it_opened(engine_url: str) -> None:
+    """The pipeline fails before any bucket: the session opened alongside is closed again, so the next
+    push can open one (a second begin_weight_update on an open session is refused)."""
+    model = trainer_model(TRAINER_SEED + 7)
+
+    def broken():
+        raise RuntimeError("gather failed")
+        yield  # a generator
+
+    with make_sync(engine_url, bucket_bytes=1 << 30, pause=False) as sync:
+        with pytest.raises(RuntimeError, match="gather failed"):
+            sync.push(broken(), "never")
+        sync.push(model.state_dict().items(), "v7-after")
+    assert version_of(engine_url) == "v7-after"
+    assert_engine_holds(engine_url, model)
+
+
+def test_a_refused_opening_stops_the_push_before_any_bucket(engine_url: str) -> None:
+    """An engine that already has a session open refuses begin_weight_update: the push fails naming
+    it, sends no bucket, and does not close the session someone else opened."""
+    model = trainer_model(TRAINER_SEED + 8)
+    recorder = RecordingTransport()
+    assert httpx.post(f"{engine_url}/begin_weight_update", json={}, timeout=10).status_code == 200
+    try:
+        with make_sync(engine_url, bucket_bytes=1 << 30, transport=recorder, pause=False) as sync:
+            with pytest.raises(WeightSyncError, match=r"(?s)opening the weight-update session.*already open"):
+                sync.push(model.state_dict().items(), "never")
+        assert sync_requests(recorder)[:2] == ["/begin_weight_update", "/destroy_weights_update_group"]
+    finally:
+        assert httpx.post(f"{engine_url}/end_weight_update", json={}, timeout=10).status_code == 200
 
 
 def test_refused_bucket_fails_fast_then_reconnect_works(engine_url: str) -> None:

@@ -1,5 +1,8 @@
 """Run under torchrun (world 1 or 2, gloo on CPU): exercises FSDPTrainEngine and writes results for
-tests/train/test_fsdp_engine.py to compare. Usage: dist_scenarios.py OUT_DIR"""
+tests/train/test_fsdp_engine.py to compare. Usage: dist_scenarios.py OUT_DIR [--resume-from OTHER_OUT_DIR]
+
+With --resume-from, only one scenario runs: resume from the step-4 checkpoint that a run at the other
+world size wrote in OTHER_OUT_DIR (one rank keeps a plain module, two ranks shard it), then train a step."""
 
 from __future__ import annotations
 
@@ -60,10 +63,33 @@ def synced(engine: FSDPTrainEngine) -> dict[str, torch.Tensor]:
     return {k: v.clone().cpu() for k, v in engine.named_weights_for_sync()}
 
 
+def resume_across_worlds(out: Path, other: Path) -> None:
+    """Resume from the other world size's step-4 checkpoint and from this run's own, and train one step
+    of the same batch from each (own-world resume is exact: test_checkpoint_resume_is_exact)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    res: dict = {}
+    for source, root in (("other", other), ("own", out)):
+        engine = FSDPTrainEngine(
+            config(optim__warmup_steps=4, train__keep_checkpoints=2), str(root / "model")
+        )
+        extra = engine.load_checkpoint(str(checkpoint_dir(root / "ckpt", 4)))
+        res[source] = {"step": engine.step, "extra": extra, "loaded": synced(engine)}
+        res[source]["metrics"] = engine.train_step(make_batch(8, seed=40).shard(rank, world))
+        res[source]["trained"] = synced(engine)
+        del engine
+    if rank == 0:
+        torch.save(res, out / f"resumed_world{world}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if sys.argv[2:3] == ["--resume-from"]:
+        resume_across_worlds(out, Path(sys.argv[3]))
+        return
     model_dir = out / "model"
     if rank == 0:
         materialize_model(Config().model, str(model_dir))
@@ -72,6 +98,7 @@ def main() -> None:
 
     # 1. logprobs vs an unsharded model; 2. a positive advantage raises that sequence's logprob
     engine = FSDPTrainEngine(config(), str(model_dir))
+    res["sharded"] = engine.sharded
     res["initial_weights"] = synced(engine)
     batch = make_batch(8, seed=1, adv=[1.0, 0, 0, 0, 0, 0, 0, 0])
     mine = batch.shard(rank, world)

@@ -81,50 +81,85 @@ def _type_error(value: Any, expected: str) -> ContractError:
     return ContractError(f"invalid type: {_describe(value)}, expected {expected}")
 
 
-def _check_type(key: str, kind: str, value: Any) -> Any:
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if kind == "i64":
-        if not is_int:
-            raise _type_error(value, "i64")
-        return value
-    if kind == "f64":
-        if not (is_int or isinstance(value, float)):
-            raise _type_error(value, "f64")
-        return float(value)
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise _type_error(value, "a boolean")
-        return value
-    if kind == "str":
-        if not isinstance(value, str):
-            raise _type_error(value, "a string")
-        return value
-    if kind == "str_or_list":
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return list(value)
-        raise _type_error(value, "a string or a sequence of strings")
-    if kind == "int_list":
-        if not isinstance(value, list):
-            raise _type_error(value, "a sequence")
-        for item in value:
-            if not isinstance(item, int) or isinstance(item, bool):
-                raise _type_error(item, "i64")
-        return list(value)
-    if kind == "bias_map":
-        if not isinstance(value, dict):
-            raise _type_error(value, "a map")
-        out = {}
-        for token, bias in value.items():
-            if not (isinstance(bias, int | float) and not isinstance(bias, bool)):
-                raise _type_error(bias, "f64")
-            try:
-                out[int(token)] = float(bias)
-            except ValueError as error:
-                raise RangeError(f"logit_bias keys must be token ids, got {token!r}") from error
-        return out
+def _i64(value: Any) -> int:
+    if type(value) is not int:  # bool is a subclass of int: excluded too
+        raise _type_error(value, "i64")
     return value
+
+
+def _f64(value: Any) -> float:
+    kind = type(value)
+    if kind is float:
+        return value
+    if kind is not int:
+        raise _type_error(value, "f64")
+    return float(value)
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _type_error(value, "a boolean")
+    return value
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _type_error(value, "a string")
+    return value
+
+
+def _str_or_list(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise _type_error(value, "a string or a sequence of strings")
+
+
+def _int_list(value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise _type_error(value, "a sequence")
+    for item in value:
+        if type(item) is not int:
+            raise _type_error(item, "i64")
+    return list(value)
+
+
+def _bias_map(value: Any) -> dict[int, float]:
+    if not isinstance(value, dict):
+        raise _type_error(value, "a map")
+    out = {}
+    for token, bias in value.items():
+        if not (isinstance(bias, int | float) and not isinstance(bias, bool)):
+            raise _type_error(bias, "f64")
+        try:
+            out[int(token)] = float(bias)
+        except ValueError as error:
+            raise RangeError(f"logit_bias keys must be token ids, got {token!r}") from error
+    return out
+
+
+# The checker of each key (SAMPLING_KEYS' JSON types); "any" keys pass as they are. A batch of 512
+# seeded items checks 3600 values, so each check is one call and a type test.
+_CHECKERS: dict[str, Callable[[Any], Any]] = {
+    key: {
+        "i64": _i64,
+        "f64": _f64,
+        "bool": _bool,
+        "str": _str,
+        "str_or_list": _str_or_list,
+        "int_list": _int_list,
+        "bias_map": _bias_map,
+        "any": lambda value: value,
+    }[kind]
+    for key, kind in SAMPLING_KEYS.items()
+}
+# The keys SamplingParams takes as they are (top_k and n are interpreted below)
+_PARAM_FIELDS = frozenset(
+    ("max_new_tokens", "temperature", "top_p", "min_p", "min_new_tokens", "stop", "stop_token_ids",
+     "stop_regex", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+     "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "sampling_seed")
+)  # fmt: skip
 
 
 def parse_sampling_params(raw: Any) -> tuple[SamplingParams, int]:
@@ -133,22 +168,18 @@ def parse_sampling_params(raw: Any) -> tuple[SamplingParams, int]:
         raw = {}
     if not isinstance(raw, dict):
         raise _type_error(raw, "struct SamplingParams")
-    for key in raw:
-        if key not in SAMPLING_KEYS:
+    values = {}
+    for key, value in raw.items():
+        check = _CHECKERS.get(key)
+        if check is None:
             expected = ", ".join(f"`{k}`" for k in SAMPLING_KEYS)
             raise ContractError(f"unknown field `{key}`, expected one of {expected}")
-    values = {k: _check_type(k, SAMPLING_KEYS[k], v) for k, v in raw.items() if v is not None}
+        if value is not None:
+            values[key] = check(value)
     for key in _UNSUPPORTED:
         if key in values:
             raise RangeError(f"{key} (constrained decoding) is not supported by the dsv4rl reference engine")
-    params = SamplingParams()
-    for key in (
-        "max_new_tokens", "temperature", "top_p", "min_p", "min_new_tokens", "stop", "stop_token_ids",
-        "stop_regex", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-        "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "sampling_seed",
-    ):  # fmt: skip
-        if key in values:
-            setattr(params, key, values[key])
+    params = SamplingParams(**{key: value for key, value in values.items() if key in _PARAM_FIELDS})
     top_k = values.get("top_k", -1)
     n = values.get("n", 1)
     if not math.isfinite(params.temperature) or params.temperature < 0.0:
@@ -255,6 +286,7 @@ def parse_generate(
         parsed = [parse_sampling_params(p) for p in raw_params]
     else:
         parsed = [parse_sampling_params(raw_params)] * count
+    own_params = isinstance(raw_params, list) and parsed[0][1] == 1  # one sequence per parsed params
     ns = {n for _, n in parsed}
     if len(ns) > 1:
         raise ContractError("The parallel_sample_num (n) should be the same for all samples in a batch.")
@@ -294,7 +326,7 @@ def parse_generate(
             )
         params, _ = parsed[index]
         for _ in range(n):
-            sample = SamplingParams(**vars(params))
+            sample = params if own_params else SamplingParams(**vars(params))
             sample.max_new_tokens = min(sample.max_new_tokens, context_length - len(prompt))
             requests.append(
                 GenRequest(

@@ -56,6 +56,7 @@ __all__ = ["SyncStats", "WeightSync", "WeightSyncError"]
 
 log = logging.getLogger("dsv4rl.sync")
 PAUSE_MODES = ("abort", "retract", "in_place")
+OPEN_SESSION = "opening the weight-update session (pause_generation when pausing, begin_weight_update)"
 
 
 @dataclass
@@ -178,6 +179,10 @@ class WeightSync:
         """Call `method` on every engine concurrently; raise naming each engine that failed."""
         loop = self._loop()
         futures = [(c, loop.submit(getattr(c, method)(*args, **kwargs))) for c in self.clients]
+        return self._answers(method, futures)
+
+    def _answers(self, what: str, futures: list[tuple[Any, cf.Future]]) -> list[Any]:
+        """Each engine's answer to the requests in `futures`; raise naming each engine that failed."""
         results, errors = [], []
         for client, future in futures:
             try:
@@ -187,7 +192,7 @@ class WeightSync:
                     exc if engine_name(client) in str(exc) else f"engine {engine_name(client)}: {exc!r}"
                 )
         if errors:
-            raise WeightSyncError(f"{method} failed: " + "; ".join(map(str, errors)))
+            raise WeightSyncError(f"{what} failed: " + "; ".join(map(str, errors)))
         return results
 
     # ------------------------------------------------------------------------------------------ connect
@@ -288,11 +293,11 @@ class WeightSync:
         partial update and WeightSyncError says what failed.
         """
         start = time.monotonic()
-        self.begin_update()
+        opening = self._open_session()  # answered while the pipeline builds the first bucket
         try:
-            stats = self.send(named_weights, version, record_checksums=record_checksums)
+            stats = self.send(named_weights, version, record_checksums=record_checksums, opening=opening)
         except Exception:
-            self.abandon_update()
+            self._abandon_after(opening)
             raise
         self.finish_update(None)
         stats.seconds = time.monotonic() - start
@@ -304,23 +309,45 @@ class WeightSync:
 
     def begin_update(self) -> None:
         """Open the engines' weight-update session (pausing generation first when `pause`)."""
+        self._answers(OPEN_SESSION, self._open_session())
+
+    def _open_session(self) -> list[tuple[Any, cf.Future]]:
+        """Send each engine its session-opening requests (pause, when `pause`, then begin) without waiting
+        for the answers: a push gathers and packs its first bucket meanwhile (a tiny model's sync waited
+        6 ms for them, as long as the packing takes)."""
         with self._lock:
             self._check_usable()
-            if self.pause:
-                self._call_all("pause_generation", mode=self.cfg.pause_mode)
-            self._call_all("begin_weight_update")
+            loop = self._loop()
+            return [(client, loop.submit(self._open_engine_session(client))) for client in self.clients]
+
+    async def _open_engine_session(self, client: Any) -> Any:
+        if self.pause:
+            await client.pause_generation(mode=self.cfg.pause_mode)
+        return await client.begin_weight_update()
+
+    def _abandon_after(self, opening: list[tuple[Any, cf.Future]]) -> None:
+        """A push failed: once the opening requests are answered, close the sessions that opened."""
+        cf.wait([future for _, future in opening], timeout=self.cfg.timeout_s + 5)
+        if any(future.done() and future.exception() is None for _, future in opening):
+            self.abandon_update()
 
     def send(
-        self, named_weights: Iterable[NamedTensor], version: str | None, *, record_checksums: bool = False
+        self,
+        named_weights: Iterable[NamedTensor],
+        version: str | None,
+        *,
+        record_checksums: bool = False,
+        opening: list[tuple[Any, cf.Future]] | None = None,
     ) -> SyncStats:
         """Every bucket of `named_weights` over this group, inside an open session; `version` (or None)
-        rides on the last bucket, which then also flushes the cache. `seconds` is the time spent here."""
+        rides on the last bucket, which then also flushes the cache. `seconds` is the time spent here.
+        `opening`: the session's opening requests still in flight, awaited before the first bucket."""
         with self._lock:
             self._check_usable()
             stats = SyncStats(transport=self.transport_kind)
             start = time.monotonic()
             try:
-                self._send_all(named_weights, version, stats, record_checksums)
+                self._send_all(named_weights, version, stats, record_checksums, opening)
             except Exception:
                 self._broken = self._broken or self.transport.broken
                 raise
@@ -367,6 +394,7 @@ class WeightSync:
         version: str | None,
         stats: SyncStats,
         record_checksums: bool,
+        opening: list[tuple[Any, cf.Future]] | None,
     ) -> None:
         """Pull buckets from the pipeline and send each; the weight version rides on the last one."""
         buckets = wire_buckets(named_weights, self.wire_format, self.cfg.bucket_bytes)
@@ -382,6 +410,9 @@ class WeightSync:
                 stats.checksums.update(checksums(dict(current)))
             stats.pipeline_seconds += time.monotonic() - mark
             what = f"bucket {stats.buckets} ({len(current)} tensors from {current[0][0]})"
+            if opening is not None:  # the session must be open before any bucket (counted as control)
+                self._answers(OPEN_SESSION, opening)
+                opening = None
             with self.bucket_lock:
                 mark = time.monotonic()
                 last = following is None and version is not None
