@@ -245,9 +245,9 @@ def test_a_refused_opening_stops_the_push_before_any_bucket(engine_url: str) -> 
     recorder = RecordingTransport()
     assert httpx.post(f"{engine_url}/begin_weight_update", json={}, timeout=10).status_code == 200
     try:
-        with make_sync(engine_url, bucket_bytes=1 << 30, transport=recorder, pause=False) as sync:
-            with pytest.raises(WeightSyncError, match=r"(?s)opening the weight-update session.*already open"):
-                sync.push(model.state_dict().items(), "never")
+        refused = pytest.raises(WeightSyncError, match=r"(?s)opening the weight-update session.*already open")
+        with make_sync(engine_url, bucket_bytes=1 << 30, transport=recorder, pause=False) as sync, refused:
+            sync.push(model.state_dict().items(), "never")
         assert sync_requests(recorder)[:2] == ["/begin_weight_update", "/destroy_weights_update_group"]
     finally:
         assert httpx.post(f"{engine_url}/end_weight_update", json={}, timeout=10).status_code == 200
