@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -37,6 +38,35 @@ def test_a_trainer_enters_phases_in_order(tmp_path):
     assert (seen.phase, seen.step, seen.since, seen.last_progress) == ("train", 2, 1005.0, 1005.0)
     assert seen.pid == beat.pid and seen.host
     assert not list(tmp_path.glob(".*.tmp"))  # written aside, then renamed
+
+
+def test_a_configured_process_writes_behind_and_the_newest_beat_lands(tmp_path, monkeypatch):
+    """`configure` (what every run process calls) writes on a thread of its own: `enter` does not wait
+    for the file, and after a flush the file holds the newest phase."""
+    import dsv4rl.faults.heartbeat as module
+
+    writes = []
+    real = module.write_json_atomic
+
+    def slow_write(path, record):
+        writes.append(record["phase"])
+        time.sleep(0.05)  # a slow filesystem
+        real(path, record)
+
+    monkeypatch.setattr(module, "write_json_atomic", slow_write)
+    monkeypatch.setattr(module, "_heartbeat", None)
+    path = tmp_path / "heartbeat-trainer-rank0.json"
+    beat = heartbeat.configure(path, "trainer-rank0")
+    start = time.monotonic()
+    for step in range(1, 11):
+        heartbeat.enter("rollout", step)
+        heartbeat.enter("train", step)
+    assert time.monotonic() - start < 0.5  # 21 writes of 50 ms would take a second
+    assert beat.flush()
+    seen = read_beat(path)
+    assert (seen.phase, seen.step) == ("train", 10)
+    assert len(writes) < 21  # beats recorded while a write was under way went out as one
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_progress_is_written_at_most_once_a_second(tmp_path):
@@ -76,6 +106,7 @@ def test_module_functions_do_nothing_until_configured(tmp_path, monkeypatch):
         pass
     hb = heartbeat.configure(tmp_path / "hb.json", "engine-3")
     heartbeat.enter("sync", 4)
+    assert hb.flush()  # a configured heartbeat writes behind
     assert heartbeat.current() is hb and read_beat(tmp_path / "hb.json").phase == "sync"
 
 

@@ -11,10 +11,18 @@ could not keep a timer going anyway (a stuck collective holds the GIL). Two kind
 
 One heartbeat per process, configured by `dsv4rl.faults.child`; without it these calls do nothing (a
 module run by hand, a test). The file names the pid, which the supervisor signals for stack dumps.
+
+A configured process writes behind: `enter` and `busy` update the beat and wake a writer thread, which
+replaces the file with the newest beat. Replacing a file by rename costs 0.3-0.7 ms on ext4 (it starts
+the new file's writeback), and a tiny trainer step enters 7 phases while its engine marks 4 pieces of
+work busy and idle: about 5 ms a step, now off the step's path. A writer blocked by a process whose
+main thread holds the GIL leaves the previous phase in the file, which still stops changing: the hang is
+still seen, in the phase before.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import os
@@ -78,20 +86,27 @@ def read_beat(path: Path) -> Beat | None:
 class Heartbeat:
     """The heartbeat file of this process; thread-safe (an engine's generator and HTTP threads share it)."""
 
-    def __init__(self, path: Path, process: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, path: Path, process: str, clock: Callable[[], float] = time.time, *, behind: bool = False
+    ) -> None:
         self.path = Path(path)
         self.process = process
         self.pid = os.getpid()
         self._host = socket.gethostname()
         self._clock = clock
         self._lock = threading.Lock()
+        self._behind = behind  # write on a thread of its own (see the module docstring)
+        self._changed = threading.Condition(self._lock)
+        self._unwritten = 0  # beats not yet on disk (behind: counted until the writer has written them)
+        self._writer: threading.Thread | None = None
         now = clock()
         self._phase, self._step, self._since = START, None, now
         self._progress_at = now
         self._written_at = float("-inf")
         self._busy: dict[int, tuple[str, float]] = {}  # token -> (activity, since)
         self._tokens = itertools.count()
-        self._write()
+        with self._lock:
+            self._write()
 
     def enter(self, phase: str, step: int | None = None) -> None:
         """This process is now in `phase` (of `step`) until it enters the next one."""
@@ -135,20 +150,52 @@ class Heartbeat:
         return Beat(self.process, self.pid, self._host, phase, step, since, progress_at, busy)
 
     def _write(self) -> None:
+        """Put the beat on disk now, or (behind) have the writer thread do it; the lock is held."""
         if os.getpid() != self.pid:  # a forked child (a worker pool) is not this process
             return
         self._written_at = self._clock()
-        with contextlib.suppress(OSError):  # a full disk must not stop the run
-            write_json_atomic(self.path, {**asdict(self.beat()), "written": self._written_at})
+        record = {**asdict(self.beat()), "written": self._written_at}
+        if not self._behind:
+            _replace(self.path, record)
+            return
+        self._unwritten += 1
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_behind, name="dsv4rl-heartbeat", daemon=True)
+            self._writer.start()
+            atexit.register(self.flush)
+        self._changed.notify_all()
+
+    def _write_behind(self) -> None:
+        """The writer thread: the newest beat each time one or more were recorded."""
+        while True:
+            with self._lock:
+                self._changed.wait_for(lambda: self._unwritten > 0)
+                taken, record = self._unwritten, {**asdict(self.beat()), "written": self._written_at}
+            _replace(self.path, record)
+            with self._lock:
+                self._unwritten -= taken
+                self._changed.notify_all()
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every beat recorded so far is on disk (at once when not writing behind)."""
+        with self._lock:
+            if self._writer is None or not self._writer.is_alive():  # not behind, or a forked child
+                return True
+            return self._changed.wait_for(lambda: self._unwritten == 0, timeout=timeout_s)
+
+
+def _replace(path: Path, record: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):  # a full disk must not stop the run
+        write_json_atomic(path, record)
 
 
 _heartbeat: Heartbeat | None = None
 
 
 def configure(path: Path, process: str) -> Heartbeat:
-    """Make `path` this process's heartbeat (phase `start`); the module functions then write it."""
+    """Make `path` this process's heartbeat (phase `start`); the module functions then write it, behind."""
     global _heartbeat
-    _heartbeat = Heartbeat(path, process)
+    _heartbeat = Heartbeat(path, process, behind=True)
     return _heartbeat
 
 
