@@ -265,3 +265,25 @@ def test_a_plain_call_wakes_once_when_its_last_sequence_ends():
     requests[2].finish_reason = {"type": "abort"}  # an abort ends a sequence too
     last.changed(requests[2])
     assert wakes == [1]
+
+
+def test_done_is_made_on_first_use_and_set_however_late_it_is_asked_for():
+    """A request's `done` event exists only once someone asks for it, and is set whether it was asked for
+    before the request finished or after."""
+    import threading
+
+    from dsv4rl.engine.generator import GenRequest
+    from dsv4rl.engine.sampling import SamplingParams
+
+    early, late = GenRequest([5], SamplingParams()), GenRequest([5], SamplingParams())
+    assert early._done is None and late._done is None  # no event per sequence of a request
+    waiting = early.done
+    woke = threading.Event()
+    waiter = threading.Thread(target=lambda: waiting.wait(10) and woke.set())
+    waiter.start()
+    for request in (early, late):  # what Generator._finish does
+        request.finish_reason = {"type": "length"}
+        request._set_done()
+    waiter.join(10)
+    assert woke.is_set() and early.done is waiting
+    assert late.done.is_set()  # made after the end: born set
