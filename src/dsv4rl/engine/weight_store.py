@@ -225,12 +225,15 @@ class DeepseekWeights(HeldWeights):
         self.model = model
         self.block = block
         self._param_shapes: dict[str, torch.Size] = {}  # of the released parameters
+        # The model's parameters and buffers by name, made once: state_dict() walks every module (1.5 ms of
+        # a tiny model's 4 ms load). Release and restore swap a parameter's data, never the parameter.
+        self._model_state = model.state_dict(keep_vars=True)
         super().__init__(stored, self._dequantize_into_model, served)
 
     @torch.no_grad()
     def _dequantize_into_model(self, held: Mapping[str, torch.Tensor], changed: Iterable[str]) -> None:
         weights = {weight_name_of(n) if n.endswith(SCALE_SUFFIX) else n for n in changed}
-        state = self.model.state_dict(keep_vars=True)
+        state = self._model_state
         dtype = next(self.model.parameters()).dtype
         for name in sorted(weights):
             if name.startswith("mtp."):
