@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -41,31 +40,35 @@ def test_a_trainer_enters_phases_in_order(tmp_path):
 
 
 def test_a_configured_process_writes_behind_and_the_newest_beat_lands(tmp_path, monkeypatch):
-    """`configure` (what every run process calls) writes on a thread of its own: `enter` does not wait
-    for the file, and after a flush the file holds the newest phase."""
+    """`configure` (what every run process calls) writes on a thread of its own: `enter` returns while a
+    write is stuck, and once it is free the file holds the newest phase."""
+    import threading
+
     import dsv4rl.faults.heartbeat as module
 
-    writes = []
+    writes, started, stuck = [], threading.Event(), threading.Event()
     real = module.write_json_atomic
 
-    def slow_write(path, record):
+    def stuck_write(path, record):
         writes.append(record["phase"])
-        time.sleep(0.05)  # a slow filesystem
+        started.set()
+        stuck.wait(10)  # a filesystem that does not answer until the test lets it
         real(path, record)
 
-    monkeypatch.setattr(module, "write_json_atomic", slow_write)
+    monkeypatch.setattr(module, "write_json_atomic", stuck_write)
     monkeypatch.setattr(module, "_heartbeat", None)
     path = tmp_path / "heartbeat-trainer-rank0.json"
     beat = heartbeat.configure(path, "trainer-rank0")
-    start = time.monotonic()
+    assert started.wait(10)  # the writer is stuck in the first write, of phase start
     for step in range(1, 11):
         heartbeat.enter("rollout", step)
         heartbeat.enter("train", step)
-    assert time.monotonic() - start < 0.5  # 21 writes of 50 ms would take a second
+    assert writes == ["start"]  # every enter returned while the first write was stuck
+    stuck.set()
     assert beat.flush()
     seen = read_beat(path)
     assert (seen.phase, seen.step) == ("train", 10)
-    assert len(writes) < 21  # beats recorded while a write was under way went out as one
+    assert writes == ["start", "train"]  # the 20 beats recorded meanwhile went out as the newest one
     assert not list(tmp_path.glob(".*.tmp"))
 
 

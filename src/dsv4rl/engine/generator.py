@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from dsv4rl.engine.sampling import SamplingParams, edit_logits, mix_seed, sample
 from dsv4rl.faults import heartbeat
 
-_DONE_LOCK = threading.Lock()  # makes GenRequest.done and its setting one step (see GenRequest.done)
+_DONE_LOCK = threading.Lock()  # GenRequest.done is made by a waiter and set by the generator thread
 
 log = logging.getLogger("dsv4rl.engine")
 

@@ -91,11 +91,18 @@ class BroadcastTransport:
         ]
         # The requests carry only names, dtypes and shapes: the engines parse and check them while the
         # tensors are packed here (a tiny model's 1 MB bucket takes 1-3 ms to pack)
-        tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
-        if self.load_format == FLATTENED_BUCKET:
-            payload = [flatten_bucket(list(zip(meta["names"], tensors, strict=True)), self.device)]
-        else:
-            payload = [transport_view(t, self.backend) for t in tensors]
+        try:
+            tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
+            if self.load_format == FLATTENED_BUCKET:
+                payload = [flatten_bucket(list(zip(meta["names"], tensors, strict=True)), self.device)]
+            else:
+                payload = [transport_view(t, self.backend) for t in tensors]
+        except Exception as exc:
+            self.broken = f"{what} could not be packed after its request went out"
+            raise WeightSyncError(
+                f"{what}: packing its tensors failed after the request was sent ({exc!r}); the engines "
+                "wait for a broadcast that will not come, so the group is unusable: close() and connect()"
+            ) from exc
         works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in payload]
         self._wait(works, posts, what)
         return sum(t.numel() * t.element_size() for t in tensors)
