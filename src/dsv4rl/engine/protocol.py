@@ -12,7 +12,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from dsv4rl.engine.generator import GenRequest
@@ -139,27 +139,21 @@ def _bias_map(value: Any) -> dict[int, float]:
     return out
 
 
-# The checker of each key (SAMPLING_KEYS' JSON types); "any" keys pass as they are. A batch of 512
-# seeded items checks 3600 values, so each check is one call and a type test.
-_CHECKERS: dict[str, Callable[[Any], Any]] = {
-    key: {
-        "i64": _i64,
-        "f64": _f64,
-        "bool": _bool,
-        "str": _str,
-        "str_or_list": _str_or_list,
-        "int_list": _int_list,
-        "bias_map": _bias_map,
-        "any": lambda value: value,
-    }[kind]
-    for key, kind in SAMPLING_KEYS.items()
+_KIND_CHECKERS: dict[str, Callable[[Any], Any]] = {
+    "i64": _i64,
+    "f64": _f64,
+    "bool": _bool,
+    "str": _str,
+    "str_or_list": _str_or_list,
+    "int_list": _int_list,
+    "bias_map": _bias_map,
+    "any": lambda value: value,
 }
-# The keys SamplingParams takes as they are (top_k and n are interpreted below)
-_PARAM_FIELDS = frozenset(
-    ("max_new_tokens", "temperature", "top_p", "min_p", "min_new_tokens", "stop", "stop_token_ids",
-     "stop_regex", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-     "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "sampling_seed")
-)  # fmt: skip
+# The checker of each key: a batch of 512 seeded items checks 3600 values, so each check is one call
+# and a type test.
+_CHECKERS = {key: _KIND_CHECKERS[kind] for key, kind in SAMPLING_KEYS.items()}
+# The keys SamplingParams takes as they are (top_k is interpreted below)
+_PARAM_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"top_k"}
 
 
 def parse_sampling_params(raw: Any) -> tuple[SamplingParams, int]:

@@ -154,9 +154,8 @@ class Heartbeat:
         if os.getpid() != self.pid:  # a forked child (a worker pool) is not this process
             return
         self._written_at = self._clock()
-        record = {**asdict(self.beat()), "written": self._written_at}
         if not self._behind:
-            _replace(self.path, record)
+            _replace(self.path, {**asdict(self.beat()), "written": self._written_at})
             return
         self._unwritten += 1
         if self._writer is None:

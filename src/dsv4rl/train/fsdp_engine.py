@@ -87,8 +87,8 @@ class FSDPTrainEngine:
         self.device = device if device is not None else default_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.mesh = init_device_mesh(self.device.type, (self.world,))
         self.sharded = self.world > 1  # one rank: a plain module (see the module docstring)
+        self.mesh = init_device_mesh(self.device.type, (self.world,)) if self.sharded else None
         self.data_parallel_rank, self.data_parallel_size = self.rank, self.world  # FSDP shards data only
         self.model = self._load(model_path, trainable=True)
         self.hf_config = self.model.config
