@@ -27,80 +27,92 @@ def make(seed: int):
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     model.register_buffer("table", torch.arange(6).view(3, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
-    return model, optimizer, scheduler
+    return model, optimizer, {"step": 0, "updates": 0}
 
 
-def train(model, optimizer, scheduler, steps: int, seed: int) -> None:
+def train(model, optimizer, counters, steps: int, seed: int) -> None:
+    """`steps` optimizer steps at a warmup learning rate set from the counters, as the update loop does."""
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         loss = model(torch.randn(5, 4, generator=g)).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 * min(1.0, (counters["updates"] + 1) / 4)
         optimizer.step()
-        scheduler.step()
+        counters["updates"] += 1
+    counters["step"] += 1
 
 
 def test_save_load_resume_exact(tmp_path):
-    model, opt, sched = make(0)
-    train(model, opt, sched, 2, seed=1)
+    model, opt, counters = make(0)
+    train(model, opt, counters, 2, seed=1)
     with torch.no_grad():
         model.table += 10
     random.seed(3)
-    path = save_checkpoint(checkpoint_dir(tmp_path, 2), model, opt, sched, step=2, extra_state={"cursor": 7})
+    path = save_checkpoint(checkpoint_dir(tmp_path, 1), model, opt, counters, extra_state={"cursor": 7})
     draw = random.random()
-    train(model, opt, sched, 2, seed=2)
-    fresh, opt2, sched2 = make(5)
+    train(model, opt, counters, 2, seed=2)
+    fresh, opt2, _ = make(5)
     random.seed(0)
     np.random.seed(0)
-    step, extra = load_checkpoint(path, fresh, opt2, sched2)
-    assert (step, extra) == (2, {"cursor": 7})
+    loaded, extra = load_checkpoint(path, fresh, opt2)
+    assert (loaded, extra) == ({"step": 1, "updates": 2}, {"cursor": 7})
     assert random.random() == draw
     assert torch.equal(fresh.table, torch.arange(6).view(3, 2) + 10)
-    train(fresh, opt2, sched2, 2, seed=2)
+    train(fresh, opt2, loaded, 2, seed=2)
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b)
-    assert sched.get_last_lr() == sched2.get_last_lr()
+    assert loaded == counters
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_checkpoint_with_a_scheduler_state_resumes_its_position(tmp_path):
+    """Checkpoints written before the counters kept torch's LambdaLR state: its position is the updates."""
+    model, opt, counters = make(0)
+    path = save_checkpoint(checkpoint_dir(tmp_path, 3), model, opt, {"step": 3})
+    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    state["scheduler"] = {"last_epoch": 6, "base_lrs": [0.1]}
+    torch.save(state, path / "trainer_state.pt")
+    assert load_checkpoint(path, *make(1)[:2])[0] == {"step": 3, "updates": 6}
 
 
 def test_latest_prune_and_incomplete(tmp_path):
     assert latest_checkpoint(tmp_path) is None
     assert latest_checkpoint(tmp_path / "missing") is None
-    model, opt, sched = make(0)
+    model, opt, _ = make(0)
     for step in (1, 2, 10):
-        save_checkpoint(checkpoint_dir(tmp_path, step), model, opt, sched, step=step)
+        save_checkpoint(checkpoint_dir(tmp_path, step), model, opt, {"step": step})
     (tmp_path / "step_00000099.tmp").mkdir()  # half-written: ignored
     (tmp_path / "step_00000050").mkdir()  # no trainer_state.pt: incomplete, ignored
     assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 10)
-    save_checkpoint(checkpoint_dir(tmp_path, 11), model, opt, sched, step=11, keep=2)
+    save_checkpoint(checkpoint_dir(tmp_path, 11), model, opt, {"step": 11}, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir() if (p / "trainer_state.pt").exists()) == [
         "step_00000010",
         "step_00000011",
     ]
     assert prune_checkpoints(tmp_path, 0) == []
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
-        load_checkpoint(tmp_path / "step_00000050", model, opt, sched)
+        load_checkpoint(tmp_path / "step_00000050", model, opt)
 
 
 def test_load_rejects_other_model(tmp_path):
-    model, opt, sched = make(0)
-    train(model, opt, sched, 1, seed=1)
-    path = save_checkpoint(tmp_path / "step_00000001", model, opt, sched, step=1)
+    model, opt, counters = make(0)
+    train(model, opt, counters, 1, seed=1)
+    path = save_checkpoint(tmp_path / "step_00000001", model, opt, counters)
     other = torch.nn.Linear(4, 2)
     other_opt = torch.optim.AdamW(other.parameters())
-    other_sched = torch.optim.lr_scheduler.LambdaLR(other_opt, lambda s: 1.0)
     with pytest.raises(ValueError, match="lacks model tensors"):
-        load_checkpoint(path, other, other_opt, other_sched)
+        load_checkpoint(path, other, other_opt)
 
 
 def test_failed_save_leaves_no_checkpoint(tmp_path):
-    model, opt, sched = make(0)
+    model, opt, _ = make(0)
     with pytest.raises(Exception):  # noqa: B017 - whatever pickling raises
-        save_checkpoint(checkpoint_dir(tmp_path, 3), model, opt, sched, step=3, extra_state={"f": lambda: 0})
+        save_checkpoint(checkpoint_dir(tmp_path, 3), model, opt, {"step": 3}, extra_state={"f": lambda: 0})
     assert not checkpoint_dir(tmp_path, 3).exists()
     assert latest_checkpoint(tmp_path) is None
-    save_checkpoint(checkpoint_dir(tmp_path, 3), model, opt, sched, step=3)  # the stale .tmp is replaced
+    save_checkpoint(checkpoint_dir(tmp_path, 3), model, opt, {"step": 3})  # the stale .tmp is replaced
     assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 3)
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -114,10 +126,9 @@ model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(300)])  # a p
 optimizer = torch.optim.AdamW(model.parameters())
 model(torch.randn(2, 8)).sum().backward()
 optimizer.step()
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 torch.randn(1 << 20).exp()  # the main thread's OpenMP team exists before the save
 before = len(os.listdir("/proc/self/task"))
-save_checkpoint(checkpoint_dir(sys.argv[1], 1), model, optimizer, scheduler, step=1)
+save_checkpoint(checkpoint_dir(sys.argv[1], 1), model, optimizer, {"step": 1})
 print(before, len(os.listdir("/proc/self/task")))
 """
 

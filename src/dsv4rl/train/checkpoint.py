@@ -1,9 +1,10 @@
-"""Resumable training checkpoints: model + optimizer (torch.distributed.checkpoint), scheduler, step,
-and a per-rank extra state (data cursor, RNG states).
+"""Resumable training checkpoints: model + optimizer (torch.distributed.checkpoint), the trainer's counters
+(train steps, optimizer steps: the learning-rate schedule's position) and a per-rank extra state (data
+cursor, RNG states).
 
 Layout of `<root>/step_00000010/`:
   DCP shards + `.metadata`      model and optimizer, resharded on load (any world size)
-  trainer_state.pt              step, scheduler state, world size (written by rank 0)
+  trainer_state.pt              the counters and the world size (written by rank 0)
   extra_rank00000.pt, ...       the caller's extra_state and the RNG states of each rank
 
 Every rank writes into `<dir>.tmp`; rank 0 renames it to `<dir>` once all ranks are done, so a
@@ -91,12 +92,12 @@ def save_checkpoint(
     directory: str | Path,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    step: int,
+    counters: dict[str, int],
     extra_state: dict[str, Any] | None = None,
     keep: int = 0,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final directory. `keep` > 0 prunes older siblings."""
+    """Collective: every rank calls it. Returns the final directory. `counters` (`step`, `updates`) come
+    back from `load_checkpoint`; `keep` > 0 prunes older siblings."""
     rank, world = _rank_world()
     final = Path(directory)
     tmp = prepare_staging(final)
@@ -104,7 +105,7 @@ def save_checkpoint(
     with _checkpoint_group() as group:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), process_group=group)
     save_rank_state(tmp, extra_state)
-    trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "world_size": world}
+    trainer_state = {**counters, "world_size": world}
     return publish(tmp, final, trainer_state, keep)
 
 
@@ -143,12 +144,9 @@ def publish(tmp: Path, final: Path, trainer_state: dict[str, Any], keep: int) ->
 
 
 def load_checkpoint(
-    directory: str | Path,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> tuple[int, dict[str, Any]]:
-    """Collective. Loads model, optimizer, scheduler and this rank's RNG states; returns (step, extra_state).
+    directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, int], dict[str, Any]]:
+    """Collective. Loads model, optimizer and this rank's RNG states; returns (counters, extra_state).
 
     The model and optimizer reshard to any world size. Extra state and RNG states are per rank: with
     a different world size, ranks without their own file get rank 0's extra state and keep their RNG.
@@ -175,10 +173,13 @@ def load_checkpoint(
         dcp.load(state, checkpoint_id=str(path), planner=planner, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer_state = torch.load(path / TRAINER_STATE, weights_only=False)
-    scheduler.load_state_dict(trainer_state["scheduler"])
+    counters = {key: value for key, value in trainer_state.items() if isinstance(value, int)}
+    counters.pop("world_size", None)
+    if "scheduler" in trainer_state:  # written before the counters: its position is the optimizer steps
+        counters.setdefault("updates", int(trainer_state["scheduler"]["last_epoch"]))
     own = path / f"extra_rank{rank:05d}.pt"
     per_rank = torch.load(own if own.exists() else path / "extra_rank00000.pt", weights_only=False)
     if own.exists():
         restore_rng_state(per_rank["rng"])
     _barrier()
-    return int(trainer_state["step"]), per_rank["extra"]
+    return counters, per_rank["extra"]

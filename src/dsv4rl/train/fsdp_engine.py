@@ -12,9 +12,8 @@ offsets, so a run saved at one world size resumes at another.
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +25,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dsv4rl.algo.grpo import token_logprobs
-from dsv4rl.algo.loss import (
-    CLIPPED,
-    ENTROPY,
-    KL,
-    LOSS,
-    from_training_forward,
-    gradient_scale,
-    micro_batch_loss,
-    normaliser_share,
-    old_policy,
-    step_metrics,
-)
 from dsv4rl.config.schema import Config
 from dsv4rl.model.native_checkpoint import load_native_model
 from dsv4rl.train import checkpoint as ckpt
+from dsv4rl.train import update
 from dsv4rl.train.batch import TrainBatch
+from dsv4rl.train.update import MicroBatch, MicroLoss
 
 
 def default_device() -> torch.device:
@@ -54,24 +43,6 @@ def default_device() -> torch.device:
 def full_tensor(tensor: Tensor) -> Tensor:
     """The whole of a (possibly sharded) parameter."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-class LearningRateSchedule:
-    """Multiplier of the base lr: linear warmup over `warmup` optimizer steps (step k uses (k+1)/warmup),
-    then constant, or a cosine decay to `min_ratio` at step `total` - 1."""
-
-    def __init__(self, warmup: int, total: int = 0, kind: str = "constant", min_ratio: float = 0.1) -> None:
-        if kind not in ("constant", "cosine"):
-            raise ValueError(f"optim.lr_schedule={kind!r}: choose constant or cosine")
-        self.warmup, self.total, self.kind, self.min_ratio = warmup, total, kind, min_ratio
-
-    def __call__(self, step: int) -> float:
-        if self.warmup > 0 and step < self.warmup:
-            return (step + 1) / self.warmup
-        if self.kind == "constant" or self.total <= self.warmup + 1:
-            return 1.0
-        progress = min(1.0, (step - self.warmup) / (self.total - 1 - self.warmup))
-        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class FSDPTrainEngine:
@@ -90,30 +61,25 @@ class FSDPTrainEngine:
         self.sharded = self.world > 1  # one rank: a plain module (see the module docstring)
         self.mesh = init_device_mesh(self.device.type, (self.world,)) if self.sharded else None
         self.data_parallel_rank, self.data_parallel_size = self.rank, self.world  # FSDP shards data only
+        # the update loop's view (dsv4rl.train.update.UpdateBackend): every rank is a replica that holds
+        # its own sums, and FSDP averages gradients over all of them
+        self.gradient_average = self.world
+        self.counts_loss_sums = self.counts_batch_sums = True
         self.model = self._load(model_path, trainable=True)
         self.hf_config = self.model.config
         self.ref_model = self._load(model_path, trainable=False) if cfg.algo.kl_coef > 0 else None
+        self.has_reference = self.ref_model is not None
         optim = cfg.optim
-        if optim.name.lower() != "adamw":
-            raise ValueError(f"optim.name={optim.name!r}: the fsdp engine supports only 'adamw'")
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=optim.lr,
             betas=(float(optim.betas[0]), float(optim.betas[1])),
             eps=optim.eps,
             weight_decay=optim.weight_decay,
-            fused=True,  # one kernel for all parameters: 0.008 s a tiny-model step, 0.09 s tensor by tensor
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            LearningRateSchedule(
-                optim.warmup_steps,
-                total=cfg.train.steps * cfg.algo.updates_per_step,
-                kind=optim.lr_schedule,
-                min_ratio=optim.min_lr_ratio,
-            ),
+            fused=True,  # one kernel for all parameters instead of one per tensor
         )
         self.step = 0  # completed train_step calls
+        self.updates = 0  # optimizer steps taken (the learning-rate schedule's position)
         # False forces the separate old-policy forward even when the training forward could serve (tests)
         self.reuse_policy_forward = True
 
@@ -149,136 +115,70 @@ class FSDPTrainEngine:
         return int(t.item())
 
     @torch.no_grad()
-    def _forward_logprobs(self, model: torch.nn.Module, input_ids: Tensor, temperature: float) -> Tensor:
+    def compute_logprobs(self, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+        """log p(input_ids[:, t+1] | input_ids[:, :t+1]) of this rank's sequences, [B, T-1], no grad.
+        Ranks may hold different numbers of sequences."""
         input_ids = input_ids.to(self.device)
         size = self.cfg.train.micro_batch_size
         chunks = list(input_ids.split(size)) if input_ids.shape[0] else []
         steps = self._sync_count(len(chunks))  # before any forward: collectives must pair up
-        out = [self._micro_logprobs(model, chunk, temperature)[0] for chunk in chunks]
+        out = [self._micro_logprobs(self.model, chunk, temperature)[0] for chunk in chunks]
         dummy = torch.zeros(1, 2, dtype=torch.long, device=self.device)
         for _ in range(steps - len(chunks)):
-            self._micro_logprobs(model, dummy, temperature)  # keep step with ranks that have more
-        self._reshard(model)
+            self._micro_logprobs(self.model, dummy, temperature)  # keep step with ranks that have more
+        self._reshard(self.model)
         if not out:
             return torch.zeros(0, max(input_ids.shape[1] - 1, 0), device=self.device)
         return torch.cat(out)
 
-    def compute_logprobs(self, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
-        """log p(input_ids[:, t+1] | input_ids[:, :t+1]) of this rank's sequences, [B, T-1], no grad."""
-        return self._forward_logprobs(self.model, input_ids, temperature)
+    # ------------------------------------------------------------------ training (dsv4rl.train.update)
+    def train_step(self, batch: TrainBatch, temperature: float | None = None) -> dict[str, float]:
+        """One rollout batch (this rank's shard): algo.updates_per_step optimizer steps."""
+        return update.train_step(self, batch, temperature)
 
-    def compute_ref_logprobs(self, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
-        if self.ref_model is None:
-            raise RuntimeError("no reference model: it is loaded only when algo.kl_coef > 0")
-        return self._forward_logprobs(self.ref_model, input_ids, temperature)
+    def data_parallel_all_reduce(
+        self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> None:
+        dist.all_reduce(tensor, op=op)
+
+    def micro_batches(self, mini: TrainBatch, row: int) -> list[MicroBatch]:
+        """Each micro-batch trimmed on its own (FSDP's collectives do not depend on shapes)."""
+        out = []
+        for part in mini.micro_batches(self.cfg.train.micro_batch_size):
+            out.append(MicroBatch(part.trimmed(), row, part.size))
+            row += part.size
+        return out
 
     @torch.no_grad()
-    def _masked_logprobs(self, model: torch.nn.Module, batch: TrainBatch, temperature: float) -> Tensor:
-        """Logprobs over the loss-bearing targets, computed on the same trimmed micro-batches the
-        update uses (so ratio == 1 exactly on the first update); zero past each micro-batch's trim."""
-        out = torch.zeros_like(batch.loss_mask)
-        row = 0
-        for mini in batch.split(self.cfg.algo.updates_per_step):
-            for micro in mini.micro_batches(self.cfg.train.micro_batch_size):
-                lp = self._micro_logprobs(model, micro.trimmed().input_ids, temperature)[0]
-                out[row : row + micro.size, : lp.shape[1]] = lp
-                row += micro.size
+    def forward_logprobs(
+        self, micro: Sequence[MicroBatch], temperature: float, reference: bool = False
+    ) -> list[Tensor]:
+        model = self.ref_model if reference else self.model
+        out = [self._micro_logprobs(model, part.batch.input_ids, temperature)[0] for part in micro]
         self._reshard(model)
         return out
 
-    # ------------------------------------------------------------------ training
-    def train_step(self, batch: TrainBatch, temperature: float | None = None) -> dict[str, float]:
-        """One rollout batch (this rank's shard): algo.updates_per_step optimizer steps.
-
-        Loss aggregation is over the global mini-batch: per-micro-batch sums are divided by the
-        denominator all-reduced over ranks, and multiplied by the world size because FSDP averages
-        gradients over ranks. So the update does not depend on the world size or micro-batch size. The
-        loss itself is `dsv4rl.algo.loss.micro_batch_loss`; this engine only runs forward and backward.
-        """
-        algo, cfg = self.cfg.algo, self.cfg
-        temp = algo.sampling.temperature if temperature is None else temperature
-        mode = str(getattr(algo.loss_aggregation, "value", algo.loss_aggregation))
-        updates = algo.updates_per_step
-        batch = batch.to(self.device)
-        sizes = torch.tensor([batch.size, -batch.size], device=self.device)
-        dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-        if int(sizes[0]) != -int(sizes[1]):
-            raise ValueError(
-                f"ranks hold different batch sizes ({-int(sizes[1])}..{int(sizes[0])}); use TrainBatch.shard"
-            )
-        if batch.size % updates:
-            raise ValueError(
-                f"{batch.size} sequences per rank do not split into algo.updates_per_step={updates}"
-            )
-
-        self.model.eval()
-        ref = batch.ref_logprobs
-        if self.ref_model is not None and ref is None:
-            ref = self._masked_logprobs(self.ref_model, batch, temp)
-        policy = old_policy(
-            algo,
-            batch.old_logprobs,
-            batch.rollout_logprobs,
-            batch.loss_mask,
-            ref is not None,
-            lambda: self._masked_logprobs(self.model, batch, temp),
-            reuse_allowed=self.reuse_policy_forward,
-        )
-        stats = policy.sums
-        grad_norms, lrs = [], []
-        row = 0
-        for mini in batch.split(updates):
-            share = normaliser_share(mini.loss_mask, mode, algo.sampling.max_new_tokens).to(torch.float64)
-            dist.all_reduce(share)
-            denom = max(float(share), 1.0)  # no response token anywhere: loss 0, like aggregate
-            scale = gradient_scale(denom, self.world)
-            self.optimizer.zero_grad(set_to_none=True)
-            for micro in mini.micro_batches(cfg.train.micro_batch_size):
-                m = micro.trimmed()
-                n = m.loss_mask.shape[1]
-                rows = slice(row, row + micro.size)
-                row += micro.size
-                logp, logits = self._micro_logprobs(self.model, m.input_ids, temp)
-                if policy.reuse:
-                    micro_old, micro_tis, sums = from_training_forward(
-                        algo, logp, m.rollout_logprobs, m.loss_mask, ref is not None
-                    )
-                    stats += sums
-                else:
-                    micro_old = policy.logprobs[rows, :n]
-                    micro_tis = None if policy.tis_weights is None else policy.tis_weights[rows, :n]
-                out = micro_batch_loss(
-                    logp,
-                    logits,
-                    micro_old,
-                    m.advantages,
-                    m.loss_mask,
-                    algo,
-                    temp,
-                    ref_logprobs=None if ref is None else ref[rows, :n],
-                    tis_weights=micro_tis,
-                )
-                (out.loss_sum * scale).backward()
-                stats[LOSS] += out.loss_sum.detach() / denom
-                stats[ENTROPY] += out.entropy_sum
-                stats[CLIPPED] += out.clipped_tokens
-                if out.ref_kl_sum is not None:
-                    stats[KL] += out.ref_kl_sum
-            grad_norms.append(self._clip_gradients())
-            lrs.append(self.scheduler.get_last_lr()[0])
-            self.optimizer.step()
-            self.scheduler.step()
+    def forward_backward(self, micro: Sequence[MicroBatch], loss: MicroLoss) -> Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        dist.all_reduce(stats)
-        return step_metrics(stats, updates, grad_norms, lrs, ref is not None)
+        sums = []
+        for part in micro:
+            logits = self.model(input_ids=part.batch.input_ids, use_cache=False).logits
+            value, part_sums = loss(logits, part)
+            value.backward()
+            sums.append(part_sums)
+        return torch.stack(sums).sum(dim=0)
 
-    def _clip_gradients(self) -> float:
+    def optimizer_step(self, lr: float) -> float:
+        """Clip to optim.grad_clip and step at `lr`; returns the gradient norm before clipping."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
     # ------------------------------------------------------------------ weights and checkpoints
@@ -303,12 +203,12 @@ class FSDPTrainEngine:
             directory,
             self.model,
             self.optimizer,
-            self.scheduler,
-            self.step,
+            {"step": self.step, "updates": self.updates},
             extra_state,
             keep=self.cfg.train.keep_checkpoints,
         )
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
-        self.step, extra = ckpt.load_checkpoint(directory, self.model, self.optimizer, self.scheduler)
+        state, extra = ckpt.load_checkpoint(directory, self.model, self.optimizer)
+        self.step, self.updates = int(state["step"]), int(state["updates"])
         return extra

@@ -12,7 +12,7 @@ old log-probs come from exactly the computation the update differentiates. The l
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,22 +24,11 @@ from torch import Tensor
 from transformers import DeepseekV4Config
 
 from dsv4rl.algo.grpo import token_logprobs
-from dsv4rl.algo.loss import (
-    CLIPPED,
-    ENTROPY,
-    KL,
-    LOSS,
-    NUM_STEP_SUMS,
-    from_training_forward,
-    micro_batch_loss,
-    normaliser_share,
-    old_policy,
-    step_metrics,
-)
+from dsv4rl.algo.loss import NUM_STEP_SUMS
 from dsv4rl.config.schema import Config, RecomputeMode
 from dsv4rl.model.native_checkpoint import is_native_checkpoint, load_hf_config, load_native_model
+from dsv4rl.train import update
 from dsv4rl.train.batch import TrainBatch
-from dsv4rl.train.fsdp_engine import LearningRateSchedule
 from dsv4rl.train.megatron import convert
 from dsv4rl.train.megatron.architecture import ParallelSizes
 from dsv4rl.train.megatron.checkpoint import load_engine_checkpoint, save_engine_checkpoint
@@ -47,6 +36,7 @@ from dsv4rl.train.megatron.model import DeepseekV4Model
 from dsv4rl.train.megatron.optimizer import build_optimizer, finalize_gradients
 from dsv4rl.train.megatron.parallel import build_stage, initialize, run_pipeline
 from dsv4rl.train.megatron.tensor_source import NativeCheckpointSource, StateDictSource, TensorSource
+from dsv4rl.train.update import MicroBatch, MicroLoss
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -94,13 +84,7 @@ class MegatronTrainEngine:
         )
         self.model.config.finalize_model_grads_func = finalize_gradients
         self.optimizer = build_optimizer(self.ddp, cfg, self.dtype, self.on_gpu)
-        optim = cfg.optim
-        self.lr_schedule = LearningRateSchedule(
-            optim.warmup_steps,
-            total=cfg.train.steps * cfg.algo.updates_per_step,
-            kind=optim.lr_schedule,
-            min_ratio=optim.min_lr_ratio,
-        )
+        self.has_reference = self.ref_model is not None
         self.updates = 0  # optimizer steps taken (the learning-rate schedule's position)
         self.step = 0  # completed train_step calls
         # False forces the separate old-policy forward even when the training forward could serve (tests)
@@ -110,6 +94,13 @@ class MegatronTrainEngine:
         self.last_stage = parallel_state.is_pipeline_last_stage()
         self.pipeline_group = parallel_state.get_pipeline_model_parallel_group()
         self.last_stage_rank = parallel_state.get_pipeline_model_parallel_last_rank()
+        # the update loop's view (dsv4rl.train.update.UpdateBackend): megatron's gradient reduction sums;
+        # one copy per replica of each sum counts: the loss terms where the last stage computes them, the
+        # batch-derived ones (on every rank) at the first stage, each on tensor-parallel rank 0
+        self.gradient_average = 1
+        tensor_rank0 = parallel_state.get_tensor_model_parallel_rank() == 0
+        self.counts_loss_sums = self.last_stage and tensor_rank0
+        self.counts_batch_sums = parallel_state.is_pipeline_first_stage() and tensor_rank0
         # the ranks that send each stage's weights: global rank 0's pipeline group, stage by stage
         sources = [dist.get_process_group_ranks(self.pipeline_group) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(sources, src=0)
@@ -128,30 +119,6 @@ class MegatronTrainEngine:
         return convert.Ranks.current(model.decoder.offset)
 
     # ------------------------------------------------------------------ forward passes
-    def _micro_batches(self, batch: TrainBatch) -> list[tuple[TrainBatch, int]]:
-        """The micro-batches of one mini-batch, trimmed together, with how many rows of each are real.
-        With PP > 1 all have one shape (the schedules send fixed-shape tensors between stages): the
-        last is padded with loss-free copies of its first row. With EP > 1 the replicas, whose experts
-        exchange tokens, trim to one width."""
-        width = batch.trimmed_width()
-        if self.sizes.expert > 1:  # expert all-gathers span data-parallel replicas: one shape for all
-            agreed = torch.tensor([width], device=self.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
-            width = int(agreed)
-        trimmed = batch.trimmed(width)
-        size = self.cfg.train.micro_batch_size
-        out = [(part, part.size) for part in trimmed.micro_batches(size)]
-        last, real = out[-1]
-        if self.sizes.pipeline > 1 and real < size:
-            index = torch.cat([torch.arange(real), torch.zeros(size - real, dtype=torch.long)])
-            padded = last.select(index)
-            keep = (torch.arange(size, device=padded.loss_mask.device) < real).to(padded.loss_mask.dtype)
-            padded = dataclasses.replace(
-                padded, loss_mask=padded.loss_mask * keep[:, None], advantages=padded.advantages * keep
-            )
-            out[-1] = (padded, real)
-        return out
-
     def _pipeline_logprobs(
         self, model: torch.nn.Module, micro: list[Tensor], temperature: float
     ) -> list[Tensor]:
@@ -174,7 +141,8 @@ class MegatronTrainEngine:
             out.append(logprobs)
         return out
 
-    def _sequence_logprobs(self, model: torch.nn.Module, input_ids: Tensor, temperature: float) -> Tensor:
+    def compute_logprobs(self, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+        """log p(input_ids[:, t+1] | input_ids[:, :t+1]), [B, T-1], no grad, on every rank."""
         input_ids = input_ids.to(self.device)
         if input_ids.shape[0] == 0:
             return torch.zeros(0, max(input_ids.shape[1] - 1, 0), device=self.device)
@@ -183,127 +151,68 @@ class MegatronTrainEngine:
         rows = chunks[-1].shape[0]
         if self.sizes.pipeline > 1 and rows < size:  # one shape for the schedule: repeat a row
             chunks[-1] = torch.cat([chunks[-1], chunks[-1][:1].expand(size - rows, -1)])
-        return torch.cat(self._pipeline_logprobs(model, chunks, temperature))[: input_ids.shape[0]]
+        return torch.cat(self._pipeline_logprobs(self.ddp, chunks, temperature))[: input_ids.shape[0]]
 
-    def compute_logprobs(self, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
-        """log p(input_ids[:, t+1] | input_ids[:, :t+1]), [B, T-1], no grad, on every rank."""
-        return self._sequence_logprobs(self.ddp, input_ids, temperature)
-
-    def compute_ref_logprobs(self, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
-        if self.ref_model is None:
-            raise RuntimeError("no reference model: it is loaded only when algo.kl_coef > 0")
-        return self._sequence_logprobs(self.ref_model, input_ids, temperature)
-
-    def _masked_logprobs(self, model: torch.nn.Module, batch: TrainBatch, temperature: float) -> Tensor:
-        """Log-probs of the loss-bearing targets from the same micro-batches the update will use."""
-        out = torch.zeros_like(batch.loss_mask)
-        row = 0
-        for mini in batch.split(self.cfg.algo.updates_per_step):
-            micro = self._micro_batches(mini)
-            computed = self._pipeline_logprobs(model, [part.input_ids for part, _ in micro], temperature)
-            for (_, real), logprobs in zip(micro, computed, strict=True):
-                out[row : row + real, : logprobs.shape[1]] = logprobs[:real]
-                row += real
-        return out
-
-    # ------------------------------------------------------------------ training
+    # ------------------------------------------------------------------ training (dsv4rl.train.update)
     def train_step(self, batch: TrainBatch, temperature: float | None = None) -> dict[str, float]:
         """One rollout batch (this data-parallel replica's share): algo.updates_per_step optimizer steps."""
-        algo, cfg = self.cfg.algo, self.cfg
-        temp = algo.sampling.temperature if temperature is None else temperature
-        mode = str(getattr(algo.loss_aggregation, "value", algo.loss_aggregation))
-        updates = algo.updates_per_step
-        batch = batch.to(self.device)
-        if batch.size % updates:
-            raise ValueError(
-                f"{batch.size} sequences per replica do not split into algo.updates_per_step={updates}"
+        return update.train_step(self, batch, temperature)
+
+    def data_parallel_all_reduce(
+        self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> None:
+        dist.all_reduce(tensor, op=op, group=parallel_state.get_data_parallel_group())
+
+    def micro_batches(self, mini: TrainBatch, row: int) -> list[MicroBatch]:
+        """The micro-batches of one mini-batch, trimmed together. With PP > 1 all have one shape (the
+        schedules send fixed-shape tensors between stages): the last is padded with loss-free copies of
+        its first row. With EP > 1 the replicas, whose experts exchange tokens, trim to one width."""
+        width = mini.trimmed_width()
+        if self.sizes.expert > 1:  # expert all-gathers span data-parallel replicas: one shape for all
+            agreed = torch.tensor([width], device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+            width = int(agreed)
+        size = self.cfg.train.micro_batch_size
+        out = []
+        for part in mini.trimmed(width).micro_batches(size):
+            out.append(MicroBatch(part, row, part.size))
+            row += part.size
+        last = out[-1]
+        if self.sizes.pipeline > 1 and last.real < size:
+            index = torch.cat([torch.arange(last.real), torch.zeros(size - last.real, dtype=torch.long)])
+            padded = last.batch.select(index)
+            keep = (torch.arange(size, device=padded.loss_mask.device) < last.real).to(padded.loss_mask.dtype)
+            padded = dataclasses.replace(
+                padded, loss_mask=padded.loss_mask * keep[:, None], advantages=padded.advantages * keep
             )
-        dp_group = parallel_state.get_data_parallel_group()
-        ref = batch.ref_logprobs
-        if self.ref_model is not None and ref is None:
-            ref = self._masked_logprobs(self.ref_model, batch, temp)
-        # reused: the last stage takes the old log-probs from each micro-batch's training forward; else the
-        # batch-derived sums are on every rank, the loss terms only where the last stage computes them
-        policy = old_policy(
-            algo,
-            batch.old_logprobs,
-            batch.rollout_logprobs,
-            batch.loss_mask,
-            ref is not None,
-            lambda: self._masked_logprobs(self.ddp, batch, temp),
-            reuse_allowed=self.reuse_policy_forward,
-        )
-        batch_sums = policy.sums
-        stats = torch.zeros_like(batch_sums)
-        grad_norms, lrs = [], []
-        row = 0
-        for mini in batch.split(updates):
-            share = normaliser_share(mini.loss_mask, mode, algo.sampling.max_new_tokens).to(torch.float64)
-            dist.all_reduce(share, group=dp_group)
-            denom = max(float(share), 1.0)
-            micro = self._micro_batches(mini)
+            out[-1] = MicroBatch(padded, last.row, last.real)
+        return out
 
-            def loss_function(logits: Tensor, data: dict[str, Any], denom: float = denom):
-                part: TrainBatch = data["part"]
-                rows = slice(data["row"], data["row"] + data["real"])
-                n = part.loss_mask.shape[1]
-                logprobs = token_logprobs(logits, part.input_ids, temp)
-                sums = torch.zeros(NUM_STEP_SUMS, dtype=torch.float64, device=logits.device)
-                if policy.reuse:
-                    micro_old, micro_tis, sums = from_training_forward(
-                        algo, logprobs, part.rollout_logprobs, part.loss_mask, ref is not None
-                    )
-                else:
-                    micro_old = _rows(policy.logprobs, rows, part.size)[:, :n]
-                    tis = policy.tis_weights
-                    micro_tis = None if tis is None else _rows(tis, rows, part.size)[:, :n]
-                out = micro_batch_loss(
-                    logprobs,
-                    logits,
-                    micro_old,
-                    part.advantages,
-                    part.loss_mask,
-                    algo,
-                    temp,
-                    ref_logprobs=None if ref is None else _rows(ref, rows, part.size)[:, :n],
-                    tis_weights=micro_tis,
-                )
-                report = {
-                    "loss": out.loss_sum.detach() / denom,
-                    "entropy": out.entropy_sum,
-                    "clipped": out.clipped_tokens,
-                    "ref_kl": out.ref_kl_sum if out.ref_kl_sum is not None else torch.zeros(()),
-                    "batch_sums": sums,
-                }
-                return out.loss_sum / denom, torch.tensor(1), report
+    def forward_logprobs(
+        self, micro: Sequence[MicroBatch], temperature: float, reference: bool = False
+    ) -> list[Tensor]:
+        model = self.ref_model if reference else self.ddp
+        return self._pipeline_logprobs(model, [part.batch.input_ids for part in micro], temperature)
 
-            feeds = []
-            for part, real in micro:
-                feeds.append({"input_ids": part.input_ids, "part": part, "row": row, "real": real})
-                row += real
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            lr = cfg.optim.lr * self.lr_schedule(self.updates)
-            self.optimizer.set_lr(lr)
-            reported = run_pipeline(self.ddp, feeds, loss_function, forward_only=False)
-            for item in reported:
-                stats[LOSS] += item["loss"]
-                stats[ENTROPY] += item["entropy"]
-                stats[CLIPPED] += item["clipped"]
-                stats[KL] += item["ref_kl"]
-                stats += item["batch_sums"]  # zero unless the old log-probs came from this forward
-            grad_norms.append(self.optimizer.step())
-            lrs.append(lr)
-            self.updates += 1
-        self.step += 1
-        # one copy per replica: the last stage's tensor-parallel rank 0 holds the loss terms
-        counted = self.last_stage and parallel_state.get_tensor_model_parallel_rank() == 0
-        first = (
-            parallel_state.is_pipeline_first_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-        )
-        totals = stats * float(counted) + batch_sums * float(first)
-        dist.all_reduce(totals)
-        return step_metrics(totals, updates, grad_norms, lrs, ref is not None)
+    def forward_backward(self, micro: Sequence[MicroBatch], loss: MicroLoss) -> Tensor:
+        """Megatron's schedule over the micro-batches; the loss and its sums exist on the last stage."""
+
+        def loss_function(logits: Tensor, data: dict[str, Any]):
+            value, sums = loss(logits, data["micro"])
+            return value, torch.tensor(1), {"sums": sums}
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        feeds = [{"input_ids": part.batch.input_ids, "micro": part} for part in micro]
+        reported = run_pipeline(self.ddp, feeds, loss_function, forward_only=False)
+        sums = torch.zeros(NUM_STEP_SUMS, dtype=torch.float64, device=self.device)
+        for item in reported:
+            sums += item["sums"]
+        return sums
+
+    def optimizer_step(self, lr: float) -> float:
+        self.optimizer.set_lr(lr)
+        return self.optimizer.step()
 
     # ------------------------------------------------------------------ weights and checkpoints
     @property
@@ -356,11 +265,3 @@ class MegatronTrainEngine:
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         return load_engine_checkpoint(self, directory)
-
-
-def _rows(tensor: Tensor, rows: slice, size: int) -> Tensor:
-    """`size` rows from `rows.start`, zero-padded past the end (the padding rows of a micro-batch)."""
-    part = tensor[rows]
-    if part.shape[0] < size:
-        part = torch.cat([part, part.new_zeros(size - part.shape[0], *part.shape[1:])])
-    return part

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from dsv4rl.train.fsdp_engine import LearningRateSchedule
+from dsv4rl.train.lr_schedule import LearningRateSchedule
 
 
 def test_warmup_then_constant() -> None:
