@@ -111,7 +111,7 @@ def measure_train(model_dir: str, cfg: Any, requests: list[tuple], repeats: int)
 
     model = load_native_model(model_dir, dtype=torch.float32).eval()
     optim = cfg.optim
-    # fused, as the FSDP engine's: the floor is the fastest known way to take this step
+    # fused, as the FSDP backend's: the floor is the fastest known way to take this step
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, fused=True
     )
@@ -154,7 +154,7 @@ def serve_peer(port: int, size: int) -> None:
     """Rank 1 of the broadcast group: on each `recv` line, receive `size` bytes into fresh memory."""
     import torch.distributed as dist
 
-    from dsv4rl.sync.process_group import destroy_custom_process_group, init_custom_process_group
+    from dsv4rl.wire.process_group import destroy_custom_process_group, init_custom_process_group
 
     group = init_custom_process_group(
         "gloo", f"tcp://127.0.0.1:{port}", world_size=2, rank=1, group_name="bench_loop", timeout=300
@@ -171,7 +171,7 @@ def serve_peer(port: int, size: int) -> None:
 def measure_broadcast(model: torch.nn.Module, repeats: int) -> dict:
     import torch.distributed as dist
 
-    from dsv4rl.sync.process_group import destroy_custom_process_group, init_custom_process_group
+    from dsv4rl.wire.process_group import destroy_custom_process_group, init_custom_process_group
 
     tensors = [t.detach().contiguous() for t in model.state_dict().values()]
     size = sum(t.numel() * t.element_size() for t in tensors)
@@ -289,7 +289,7 @@ def merge_sittings(sittings: list[dict[str, dict]]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dsv4rl.launcher.plan import build_local_plan
-    from dsv4rl.model.tiny import materialize_model
+    from dsv4rl.model.model_dir import materialize_model
 
     install_signal_handlers()
     start = time.perf_counter()

@@ -72,7 +72,7 @@ def synthetic_state(total_mib: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def wire_state(state: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
-    from dsv4rl.quant.formats import WireFormat
+    from dsv4rl.model.wire_format import WireFormat
 
     return WireFormat(mode).encode_all(state.items())
 
@@ -101,7 +101,7 @@ def serve_peer(port: int, total_mib: int, bucket_bytes: int) -> None:
     """Rank 1 of the raw-broadcast group: on each `recv` line, receive every bucket into fresh memory."""
     import torch.distributed as dist
 
-    from dsv4rl.sync.process_group import destroy_custom_process_group, init_custom_process_group
+    from dsv4rl.wire.process_group import destroy_custom_process_group, init_custom_process_group
 
     group = init_custom_process_group(
         "gloo", f"tcp://127.0.0.1:{port}", world_size=2, rank=1, group_name=GROUP, timeout=300
@@ -127,7 +127,7 @@ def measure_raw(
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from dsv4rl.sync.process_group import destroy_custom_process_group, init_custom_process_group
+    from dsv4rl.wire.process_group import destroy_custom_process_group, init_custom_process_group
 
     group = init_custom_process_group(
         "gloo", f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name=GROUP, timeout=300
@@ -173,7 +173,7 @@ def measure_push(
     wire_mode: str | None = None,
 ) -> dict[str, Any]:
     from dsv4rl.config.schema import SyncConfig
-    from dsv4rl.quant.formats import WireFormat
+    from dsv4rl.model.wire_format import WireFormat
     from dsv4rl.rollout.client import EngineClient
     from dsv4rl.sync.weight_sync import WeightSync
 
@@ -206,7 +206,7 @@ def measure_push(
 
 
 def measure_quantization(state: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
-    from dsv4rl.quant.formats import WireFormat
+    from dsv4rl.model.wire_format import WireFormat
 
     size = sum(t.numel() * t.element_size() for t in state.values())
     out = []
@@ -232,7 +232,7 @@ def measure_quantization(state: dict[str, torch.Tensor]) -> list[dict[str, Any]]
 # ---------------------------------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dsv4rl.config.schema import ModelConfig
-    from dsv4rl.model.tiny import materialize_model
+    from dsv4rl.model.model_dir import materialize_model
 
     mode_name = "quick" if args.quick else "full"
     mode = MODES[mode_name]

@@ -232,7 +232,7 @@ def print_table(result: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dsv4rl.config.schema import ModelConfig
-    from dsv4rl.model.tiny import materialize_model
+    from dsv4rl.model.model_dir import materialize_model
 
     mode = MODES["quick" if args.quick else "full"]
     started = time.monotonic()

@@ -16,6 +16,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
+from dsv4rl.checks.validate import validate
 from dsv4rl.config.compose import (
     ConfigError,
     compose,
@@ -25,8 +26,7 @@ from dsv4rl.config.compose import (
     list_recipes,
     to_yaml,
 )
-from dsv4rl.config.schema import Config
-from dsv4rl.config.validate import validate
+from dsv4rl.config.schema import Config, Task
 
 app = typer.Typer(
     name="dsv4rl",
@@ -127,7 +127,7 @@ def train(
     raise typer.Exit(code=int(code))
 
 
-def _run_task_for_report(cfg: Config, task: str, console: Console, report_path) -> dict:  # noqa: ANN001
+def _run_task_for_report(cfg: Config, task: Task, console: Console, report_path) -> dict:  # noqa: ANN001
     """Run the node's engines with `task`'s process in the trainer's place, then read what it wrote."""
     from dsv4rl.launcher.plan import PortInUse
     from dsv4rl.launcher.run import RunDirInUse, run_training
@@ -172,7 +172,7 @@ def align_command(
     console = Console(stderr=True) if as_json else Console()
     report_path = Path(cfg.run.dir).resolve() / REPORT_FILE
     report_path.unlink(missing_ok=True)  # never show an earlier run's numbers
-    report = _run_task_for_report(cfg, "align", console, report_path)
+    report = _run_task_for_report(cfg, Task.align, console, report_path)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
@@ -274,7 +274,7 @@ def eval_command(
             eval_problems(cfg)  # a data problem is named before any engine starts
         except (EvalDataError, ValueError) as exc:
             raise _fail(str(exc)) from None
-        report = _run_task_for_report(cfg, "eval", console, report_path)
+        report = _run_task_for_report(cfg, Task.eval, console, report_path)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:

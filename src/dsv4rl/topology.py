@@ -12,6 +12,13 @@ listens on `engine.port + local * stride` (SGLang's attention DP opens more port
 spread further apart). Ranks follow megatron-core's default order, tensor innermost and pipeline outermost:
 `rank = tp + TP * (cp + CP * (dp + DP * pp))`; experts split the same ranks as expert-tensor x expert x
 expert-data inside each stage.
+
+Weight-sync senders: a pipeline-parallel trainer never gathers the whole model on one rank; the first rank
+of every stage broadcasts its stage itself, over a group of its own with every engine (the layout of the
+reference DeepSeek-V4 run, and of slime/Miles). Each group needs its own name (SGLang keeps groups in a
+dict keyed by name) and its own rendezvous port, hosted on the source's node. Stage `s` runs on ranks
+`s * n .. (s + 1) * n - 1` with `n = world / pipeline_parallel`; its source is rank `s * n`. The Megatron
+engine checks that its own pipeline group agrees.
 """
 
 from __future__ import annotations
@@ -20,10 +27,10 @@ import math
 from dataclasses import dataclass
 
 from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.schema import Config, TrainBackend
-from dsv4rl.sync.sources import SyncSource, weight_sync_sources
+from dsv4rl.config.schema import Config, SyncTransport, TrainBackend
 
 WILDCARD = ("0.0.0.0", "::")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # SGLang with attention DP opens port + 233 .. port + 240 (ZMQ_TCP_PORT_DELTA in its server_args.py): a
 # node's engines then sit 10 ports apart so no engine's range meets another's port.
 ATTN_DP_PORT_OFFSETS = range(233, 241)
@@ -72,6 +79,18 @@ class NodeRoles:
 
 
 @dataclass(frozen=True)
+class SyncSource:
+    """One sender of a weight sync: it hosts the rendezvous of `group_name` at `address:port`."""
+
+    stage: int
+    rank: int  # global trainer rank
+    node: int  # the node it runs on (trainer nodes are 0 .. parallel.train.nnodes - 1)
+    address: str  # how the engines reach that node
+    port: int  # cluster.weight_sync_port + stage
+    group_name: str  # sync.group_name, then "-pp<stage>" for the stages after the first
+
+
+@dataclass(frozen=True)
 class Topology:
     nodes: tuple[NodeRoles, ...]
     engines: tuple[EngineSlot, ...]
@@ -100,6 +119,41 @@ class Topology:
         if node not in self.trainer_nodes():
             return []
         return [engine for engine in self.engines if engine.node != node]
+
+
+def data_parallel_size(cfg: Config) -> int:
+    """Training data-parallel size: world / (tensor x pipeline x context parallel)."""
+    t = cfg.parallel.train
+    return (t.nnodes * t.nproc_per_node) // max(
+        1, t.tensor_parallel * t.pipeline_parallel * t.context_parallel
+    )
+
+
+def num_layers(cfg: Config) -> int:
+    """Decoder layers: the full model's fact when the recipe states it, else the tiny model's."""
+    m = cfg.model
+    return m.num_hidden_layers if m.num_hidden_layers is not None else m.tiny.num_hidden_layers
+
+
+def stage_layers(cfg: Config) -> list[int]:
+    """Decoder layers per pipeline stage: `last_stage_layers` on the last, the rest split evenly."""
+    t, layers = cfg.parallel.train, num_layers(cfg)
+    if t.pipeline_parallel == 1:
+        return [layers]
+    last = t.last_stage_layers if t.last_stage_layers is not None else layers // t.pipeline_parallel
+    return [(layers - last) // (t.pipeline_parallel - 1)] * (t.pipeline_parallel - 1) + [last]
+
+
+def num_routed_experts(cfg: Config) -> int:
+    m = cfg.model
+    return m.n_routed_experts if m.n_routed_experts is not None else m.tiny.n_routed_experts
+
+
+def on_one_machine(cfg: Config) -> bool:
+    """Several nodes whose addresses are all loopback: every node runs on this machine (a test of a
+    multi-node layout), so loopback engines and rendezvous reach every node."""
+    c = cfg.cluster
+    return c.nnodes > 1 and len(c.node_addrs) == c.nnodes and all(a in LOOPBACK for a in c.node_addrs)
 
 
 def _disaggregated(cfg: Config) -> bool:
@@ -187,3 +241,47 @@ def topology(cfg: Config) -> Topology:
         for node in range(c.nnodes)
     )
     return Topology(nodes, engines, ranks, tuple(weight_sync_sources(cfg)))
+
+
+def sync_transport(cfg: Config) -> SyncTransport:
+    """Colocated engines take the weights by tensor handles (no group, no port); others by broadcast."""
+    return SyncTransport.tensor if cfg.parallel.colocate else SyncTransport.broadcast
+
+
+def pipeline_stages(cfg: Config) -> int:
+    """Pipeline stages of the trainer (the FSDP engine has one)."""
+    train = cfg.parallel.train
+    return train.pipeline_parallel if train.backend == TrainBackend.megatron else 1
+
+
+def stage_group_name(base: str, stage: int) -> str:
+    return base if stage == 0 else f"{base}-pp{stage}"
+
+
+def weight_sync_sources(cfg: Config) -> list[SyncSource]:
+    """The sources of a recipe, by stage. Stage 0's is rank 0 at `cluster.master_addr`; a later stage's
+    source on another node is reached at `cluster.node_addrs[node]` (validation requires them then)."""
+    train, cluster = cfg.parallel.train, cfg.cluster
+    stages = pipeline_stages(cfg)
+    ranks_per_stage = train.nnodes * train.nproc_per_node // stages
+    sources = []
+    for stage in range(stages):
+        rank = stage * ranks_per_stage
+        node = rank // max(train.nproc_per_node, 1)
+        if node == 0:
+            address = cluster.master_addr
+        elif node < len(cluster.node_addrs):
+            address = cluster.node_addrs[node]
+        else:
+            address = ""  # unresolved: check_weight_sync_sources refuses the recipe before start
+        sources.append(
+            SyncSource(
+                stage=stage,
+                rank=rank,
+                node=node,
+                address=address,
+                port=cluster.weight_sync_port + stage,
+                group_name=stage_group_name(cfg.sync.group_name, stage),
+            )
+        )
+    return sources

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dsv4rl.doctor import bandwidth
-from dsv4rl.doctor.bandwidth import Collective, bandwidth_verdict, bus_bandwidth, probe_bandwidth
+from dsv4rl.doctor.bandwidth import bandwidth_verdict, bus_bandwidth, probe_bandwidth
 from dsv4rl.doctor.checks_network import _bypassed, mount_of
+from dsv4rl.doctor.collectives import Collective, run_ranks
 from dsv4rl.doctor.facts import (
     GpuModel,
     gather_facts,
@@ -130,7 +130,7 @@ def test_one_gpu_has_no_link_to_measure() -> None:
 
 def test_gloo_probe_runs_two_cpu_ranks_on_loopback() -> None:
     """The real --probe path on CPU: two spawned ranks, all-reduce and broadcast over gloo."""
-    seconds = bandwidth.run_ranks(2, "gloo", 2**20, 2)
+    seconds = run_ranks(2, "gloo", 2**20, 2)
     assert set(seconds) == {"all_reduce", "broadcast"}
     assert all(0 < s < 30 for s in seconds.values())
 

@@ -235,7 +235,7 @@ def test_two_trainer_ranks(tmp_path: Path) -> None:
 
 
 def test_megatron_backend_learns(tmp_path: Path) -> None:
-    """The same recipe on the Megatron engine (megatron-core through the CPU shims) learns like FSDP."""
+    """The same recipe on the Megatron backend (megatron-core through the CPU shims) learns like FSDP."""
     run_dir = tmp_path / "megatron"
     train(run_dir, "parallel.train.backend=megatron", LEARN)
     metrics = read_metrics(run_dir / "metrics.jsonl")

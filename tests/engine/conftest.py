@@ -10,7 +10,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from dsv4rl.config.schema import ModelConfig
-from dsv4rl.model.tiny import materialize_model
+from dsv4rl.model.model_dir import materialize_model
 
 
 @pytest.fixture(scope="session")

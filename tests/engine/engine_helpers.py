@@ -60,8 +60,8 @@ def tensor_update(tensors: dict, load_format: str | None = None) -> tuple[str, A
     the buffer it points at, which must stay alive until the engine answered."""
     import torch
 
-    from dsv4rl.sync.buckets import sort_for_flattening
-    from dsv4rl.sync.tensor_payload import pack_bucket, serialize
+    from dsv4rl.wire.layout import sort_for_flattening
+    from dsv4rl.wire.tensor_payload import pack_bucket, serialize
 
     bucket = sort_for_flattening(list(tensors.items()))
     payload, buffer = pack_bucket(bucket, load_format, torch.device("cpu"))

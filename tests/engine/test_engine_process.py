@@ -71,7 +71,7 @@ def test_server_process(model_dir, tmp_path):
 
 
 def test_config_file_flags_merge_like_sglang(tmp_path):
-    from dsv4rl.engine.__main__ import parse_args
+    from dsv4rl.engine.args import parse_args
 
     config = tmp_path / "flags.yaml"
     config.write_text("admin_api_key: k\nrandom_seed: 5\nenable_deterministic_inference: true\n")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine_helpers import changed_weights, tensor_update
 
-from dsv4rl.sync.checksum import checksums
+from dsv4rl.wire.checksum import checksums
 
 OUTSIDE = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
 
@@ -104,7 +104,7 @@ def test_refusals_write_nothing(client):
 def test_flattened_metadata_must_describe_the_buffer(client):
     from types import SimpleNamespace
 
-    from dsv4rl.sync.tensor_payload import serialize
+    from dsv4rl.wire.tensor_payload import serialize
 
     embed = client.app.state.engine.weights.state()["embed.weight"]
     buffer = embed.clone().reshape(-1).view(torch.uint8)

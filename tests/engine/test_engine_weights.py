@@ -6,9 +6,9 @@ import pytest
 from engine_helpers import RecordingReceiver, in_thread, wait_until
 
 from dsv4rl.config.schema import ModelConfig
+from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.native_checkpoint import read_tensors
-from dsv4rl.model.tiny import materialize_model
-from dsv4rl.sync.checksum import checksums, engine_checksum, overall_checksum
+from dsv4rl.wire.checksum import checksums, engine_checksum, overall_checksum
 
 UPDATE = {"names": ["embed.weight"], "dtypes": ["float32"], "shapes": [[27, 64]], "flush_cache": False}
 OUTSIDE = "must run between begin_weight_update() and end_weight_update()"

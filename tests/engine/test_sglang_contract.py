@@ -12,12 +12,13 @@ import re
 import zipfile
 from pathlib import Path
 
+import fastapi.routing
 import httpx
 import pytest
 from fastapi.routing import APIRoute
 
 from dsv4rl.config.compose import compose
-from dsv4rl.engine.__main__ import build_parser
+from dsv4rl.engine.args import build_parser
 from dsv4rl.engine.http_util import ADMIN_PATHS
 from dsv4rl.engine.protocol import SAMPLING_KEYS
 from dsv4rl.engine.sglang_contract import (
@@ -114,9 +115,22 @@ def problems_of_planner(contract: dict) -> list[str]:
     return problems + config_file_problems(contract, {"api_key": "user", "admin_api_key": "secret"})
 
 
+def served_routes(app) -> dict[str, set[str]]:
+    """{path: methods} of every API route the app serves. FastAPI 0.137+ keeps an included router's routes
+    behind one node of `app.routes`; `iter_route_contexts` (0.137.2+) lists them, older versions flatten."""
+    iter_contexts = getattr(fastapi.routing, "iter_route_contexts", None)
+    if iter_contexts is None:
+        return {route.path: set(route.methods) for route in app.routes if isinstance(route, APIRoute)}
+    return {
+        context.path: set(context.methods)
+        for context in iter_contexts(app.routes)
+        if isinstance(context.original_route, APIRoute)
+    }
+
+
 def problems_of_reference_engine(contract: dict, app) -> list[str]:
     problems = []
-    reference_routes = {route.path: set(route.methods) for route in app.routes if isinstance(route, APIRoute)}
+    reference_routes = served_routes(app)
     for path, methods in sorted(reference_routes.items()):
         route = contract["routes"].get(path)
         if route is None:

@@ -10,7 +10,7 @@ from dsv4rl.engine.weight_store import DeepseekWeights, HeldWeights
 from dsv4rl.model.naming import native_slot, slot_view, state_dict_to_native
 from dsv4rl.model.native_checkpoint import dequantized_native_state, load_native_state
 from dsv4rl.model.tiny import build_tiny_model
-from dsv4rl.quant.formats import WireFormat
+from dsv4rl.model.wire_format import WireFormat
 
 NAME = "layers.1.ffn.experts.2.w2.weight"
 

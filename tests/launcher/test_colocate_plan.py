@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from dsv4rl.checks.validate import validate
 from dsv4rl.config.compose import ConfigError, compose
-from dsv4rl.config.validate import validate
 from dsv4rl.engine.sglang_contract import flag_problems, load_contract
 from dsv4rl.launcher.plan import build_local_plan, planned_ports
 from dsv4rl.launcher.plan_view import _layout_text, training_layout

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from dsv4rl.checks.validate import validate
 from dsv4rl.cli import _split_recipe
 from dsv4rl.config.compose import compose
-from dsv4rl.config.validate import validate
 from dsv4rl.launcher.plan import build_local_plan, engine_urls, remote_engine_health
 
 ROOT = Path(__file__).resolve().parents[2]

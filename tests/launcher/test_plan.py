@@ -404,7 +404,7 @@ def test_each_pipeline_stage_sends_from_its_first_rank() -> None:
 
 
 def test_fsdp_sends_everything_from_rank_0() -> None:
-    from dsv4rl.sync.sources import weight_sync_sources
+    from dsv4rl.topology import weight_sync_sources
 
     cfg = Config()
     assert [(s.stage, s.rank, s.port, s.group_name) for s in weight_sync_sources(cfg)] == [

@@ -21,7 +21,7 @@ import pytest
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from dsv4rl.config.schema import Config
+from dsv4rl.config.schema import Config, ProcessRole
 from dsv4rl.launcher.marker import DoneMarker, read_status, write_marker
 from dsv4rl.launcher.plan import PortInUse, ProcessSpec
 from dsv4rl.launcher.run import run_training
@@ -95,7 +95,7 @@ def engine_spec(run_dir: Path, port: int, mode: str = "ok", name: str = "engine-
         argv=[sys.executable, "-c", ENGINE, str(port), pid_file, mode],
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
         log_path=run_dir / "logs" / f"{name}.log",
-        role="engine",
+        role=ProcessRole.engine,
         health_url=f"http://127.0.0.1:{port}/health_generate",
     )
 
@@ -107,7 +107,7 @@ def trainer_spec(run_dir: Path, steps: int = 3, mode: str = "ok") -> ProcessSpec
         argv=[sys.executable, "-c", TRAINER, str(run_dir / "metrics.jsonl"), pid_file, str(steps), mode],
         env=dict(os.environ),
         log_path=run_dir / "logs" / "trainer.log",
-        role="trainer",
+        role=ProcessRole.trainer,
     )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from dsv4rl.config.schema import ProcessRole
 from dsv4rl.faults.inject import HANG_ENV
 from dsv4rl.launcher.plan import ProcessSpec
 from dsv4rl.launcher.supervisor import Supervisor
@@ -129,7 +130,7 @@ def spec(run_dir: Path, name: str, role: str, argv: list[str], **env: str) -> Pr
         argv=argv,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
         log_path=run_dir / "logs" / f"{name}.log",
-        role=role,
+        role=ProcessRole(role),
         health_url=f"http://127.0.0.1:{argv[-1]}/health_generate" if role == "engine" else None,
     )
 

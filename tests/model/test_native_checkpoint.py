@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from dsv4rl.config.schema import ModelConfig, QuantConfig, QuantMode
+from dsv4rl.model.model_dir import ModelDirMismatch, materialize_model
 from dsv4rl.model.naming import state_dict_to_native
 from dsv4rl.model.native_checkpoint import (
     CheckpointError,
@@ -17,8 +18,8 @@ from dsv4rl.model.native_checkpoint import (
     tensor_dtypes,
     write_native_checkpoint,
 )
-from dsv4rl.model.tiny import ModelDirMismatch, build_tiny_model, materialize_model
-from dsv4rl.quant.formats import WireFormat
+from dsv4rl.model.tiny import build_tiny_model
+from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.quant.fp8 import E4M3
 from dsv4rl.quant.scales import E8M0
 

@@ -13,9 +13,16 @@ from fastapi.testclient import TestClient
 
 from dsv4rl.config.schema import ModelConfig, SamplingConfig
 from dsv4rl.data.problems import Problem
-from dsv4rl.model.tiny import load_tokenizer, materialize_model
+from dsv4rl.model.model_dir import materialize_model
+from dsv4rl.model.tiny import load_tokenizer
 from dsv4rl.rollout.client import EngineClient
-from dsv4rl.rollout.generate import encode_prompt, generate_samples, sample_seed, sampling_params
+from dsv4rl.rollout.generate import (
+    encode_prompt,
+    generate_samples,
+    rollout_seed,
+    sample_seed,
+    sampling_params,
+)
 
 PROBLEMS = [Problem("1+2=", "3", "1+2"), Problem("3+3=", "6", "3+3"), Problem("0+1=", "1", "0+1")]
 
@@ -123,3 +130,10 @@ def test_sampling_params_use_only_sglang_keys() -> None:
         "sampling_seed": 3,
     }
     assert "sampling_seed" not in sampling_params(SamplingConfig(), [1], 1, None)
+
+
+def test_rollout_seeds_differ_by_step_and_attempt_and_repeat() -> None:
+    seeds = {rollout_seed(0, step, attempt) for step in range(1, 50) for attempt in range(3)}
+    assert len(seeds) == 49 * 3
+    assert rollout_seed(3, 10) == rollout_seed(3, 10)
+    assert all(0 <= seed < 2**31 for seed in seeds)

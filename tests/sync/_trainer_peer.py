@@ -10,8 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dsv4rl.sync.buckets import flatten_bucket
-from dsv4rl.sync.process_group import (
+from dsv4rl.wire.layout import flatten_bucket
+from dsv4rl.wire.process_group import (
     destroy_custom_process_group,
     init_custom_process_group,
     transport_view,

@@ -15,7 +15,7 @@ import pytest
 from sync_helpers import ENGINE_SEED, ENGINE_TIMEOUT_S, free_port
 
 from dsv4rl.config.schema import ModelConfig, QuantConfig, QuantMode
-from dsv4rl.model.tiny import materialize_model
+from dsv4rl.model.model_dir import materialize_model
 
 ENGINES = 2
 

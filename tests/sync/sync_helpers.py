@@ -57,7 +57,7 @@ def trainer_model(seed: int) -> torch.nn.Module:
 def wire_tensors(model: torch.nn.Module, quant: str = "none") -> dict[str, torch.Tensor]:
     """What an engine of `quant` holds after a sync of `model`: its native tensors in the wire format."""
     from dsv4rl.model.naming import state_dict_to_native
-    from dsv4rl.quant.formats import WireFormat
+    from dsv4rl.model.wire_format import WireFormat
 
     return WireFormat(quant).encode_all(state_dict_to_native(model.state_dict()))
 
@@ -65,7 +65,7 @@ def wire_tensors(model: torch.nn.Module, quant: str = "none") -> dict[str, torch
 def quantized_copy(model: torch.nn.Module, quant: str, directory: Path) -> torch.nn.Module:
     """`model` as an engine of `quant` computes with it: written in that format and dequantized again."""
     from dsv4rl.model.native_checkpoint import load_native_model, write_native_checkpoint
-    from dsv4rl.quant.formats import WireFormat
+    from dsv4rl.model.wire_format import WireFormat
 
     write_native_checkpoint(model, directory, WireFormat(quant))
     return load_native_model(directory)

@@ -9,8 +9,8 @@ from dsv4rl.config.schema import ExpertScaleDtype, QuantConfig, QuantMode, Rollo
 from dsv4rl.model.native_checkpoint import CheckpointFormat
 from dsv4rl.quant.fp8 import E4M3
 from dsv4rl.quant.scales import E8M0
+from dsv4rl.sync.errors import WeightSyncError
 from dsv4rl.sync.served_format import ServedFormat, served_format, wire_format_for
-from dsv4rl.sync.transport import WeightSyncError
 
 RELEASE = CheckpointFormat(QuantMode.fp8_mxfp4, E4M3, "mxfp4", E8M0, (128, 128))
 CONVERTED = CheckpointFormat(QuantMode.fp8_rollout, E4M3, "fp8", E8M0, (128, 128))

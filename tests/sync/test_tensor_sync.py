@@ -24,9 +24,9 @@ from dsv4rl.config.schema import (
 from dsv4rl.engine.sglang_contract import load_contract, request_problems
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.colocated import KV_AND_GRAPHS, ColocatedEngines
-from dsv4rl.sync.checksum import checksums
 from dsv4rl.sync.served_format import check_served_formats
 from dsv4rl.sync.weight_sync import WeightSync
+from dsv4rl.wire.checksum import checksums
 
 TOKENS = [0, 5, 9, 13, 4, 16, 7, 7, 15, 3, 11, 19, 6, 18, 2, 9, 1, 14, 8, 17, 10, 12, 5, 17]
 

@@ -14,8 +14,8 @@ import torch
 from dsv4rl.config.schema import MemoryTag, SyncConfig, SyncTransport
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.colocated import KV_AND_GRAPHS, ColocatedEngines
-from dsv4rl.sync.tensor_payload import deserialize, named_tensors
 from dsv4rl.sync.weight_sync import WeightSync, WeightSyncError
+from dsv4rl.wire.tensor_payload import deserialize, named_tensors
 
 
 def weights() -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from dsv4rl.engine.weight_receiver import WeightReceiver
 from dsv4rl.engine.weight_store import DeepseekWeights
 from dsv4rl.model.naming import native_slot, slot_view
 from dsv4rl.model.native_checkpoint import dequantized_native_state
-from dsv4rl.sync.buckets import bucket_metadata, sort_for_flattening
+from dsv4rl.wire.layout import bucket_metadata, sort_for_flattening
 
 GROUP = "receiver_test_group"
 QUANT = "fp8_mxfp4"

@@ -21,9 +21,9 @@ from sync_helpers import TRAINER_SEED, free_port, quantized_copy, trainer_model,
 from dsv4rl.config.schema import QuantConfig, QuantMode, RolloutEngineKind, SyncConfig
 from dsv4rl.engine.sglang_contract import load_contract, request_problems
 from dsv4rl.rollout.client import EngineClient
-from dsv4rl.sync.checksum import checksums
 from dsv4rl.sync.served_format import check_served_formats
 from dsv4rl.sync.weight_sync import SyncStats, WeightSync, WeightSyncError
+from dsv4rl.wire.checksum import checksums
 
 TOKENS = [0, 5, 9, 13, 4, 16, 7, 7, 15, 3, 11, 19, 6, 18, 2, 9, 1, 14, 8, 17, 10, 12, 5, 17]
 

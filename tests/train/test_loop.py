@@ -8,18 +8,11 @@ import torch
 
 from dsv4rl.config.schema import Config
 from dsv4rl.rollout.types import Sample
-from dsv4rl.train.loop import rollout_seed, shape_rewards
+from dsv4rl.train.loop import shape_rewards
 
 
 def sample(length: int) -> Sample:
     return Sample(0, [0, 5], [7] * length, [-0.1] * length, "", "length")
-
-
-def test_rollout_seeds_differ_by_step_and_attempt_and_repeat() -> None:
-    seeds = {rollout_seed(0, step, attempt) for step in range(1, 50) for attempt in range(3)}
-    assert len(seeds) == 49 * 3
-    assert rollout_seed(3, 10) == rollout_seed(3, 10)
-    assert all(0 <= seed < 2**31 for seed in seeds)
 
 
 def test_rewards_pass_through_without_overlong_shaping() -> None:

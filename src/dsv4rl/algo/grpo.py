@@ -9,18 +9,33 @@ computed in float32 whatever the logits' dtype.
 
 from __future__ import annotations
 
-from enum import Enum
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from dsv4rl.config.schema import KLEstimator, LossAggregation
+
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: bounds ratios so one wild token cannot produce inf/nan
 
 
-def _name(value: str | Enum) -> str:
-    return value.value if isinstance(value, Enum) else str(value)
+def loss_aggregation(mode: LossAggregation | str) -> LossAggregation:
+    """`mode` as the schema's enum; a plain string is accepted where it names one (tests, notebooks)."""
+    try:
+        return LossAggregation(mode)
+    except ValueError:
+        raise ValueError(
+            f"unknown loss aggregation {str(mode)!r}; choose one of {[m.value for m in LossAggregation]}"
+        ) from None
+
+
+def kl_estimator(estimator: KLEstimator | str) -> KLEstimator:
+    try:
+        return KLEstimator(estimator)
+    except ValueError:
+        raise ValueError(
+            f"unknown KL estimator {str(estimator)!r}; choose one of {[k.value for k in KLEstimator]}"
+        ) from None
 
 
 def group_advantages(
@@ -92,7 +107,32 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.cat(parts)
 
 
-def aggregate(values: Tensor, mask: Tensor, mode: str | Enum, max_len: int | None = None) -> Tensor:
+def _token_mean(masked: Tensor, mask: Tensor, max_len: int | None) -> Tensor:
+    return masked.sum() / mask.sum().clamp(min=1.0)
+
+
+def _seq_mean_token_mean(masked: Tensor, mask: Tensor, max_len: int | None) -> Tensor:
+    counts = mask.sum(dim=-1)
+    per_seq = masked.sum(dim=-1) / counts.clamp(min=1.0)
+    has_tokens = (counts > 0).to(masked.dtype)
+    return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
+
+
+def _seq_mean_token_sum(masked: Tensor, mask: Tensor, max_len: int | None) -> Tensor:
+    norm = float(max_len if max_len is not None else masked.shape[-1])
+    return (masked.sum(dim=-1) / norm).mean()
+
+
+AGGREGATE: dict[LossAggregation, Callable[[Tensor, Tensor, int | None], Tensor]] = {
+    LossAggregation.token_mean: _token_mean,
+    LossAggregation.seq_mean_token_mean: _seq_mean_token_mean,
+    LossAggregation.seq_mean_token_sum: _seq_mean_token_sum,
+}
+
+
+def aggregate(
+    values: Tensor, mask: Tensor, mode: LossAggregation | str, max_len: int | None = None
+) -> Tensor:
     """Reduce per-token values [B, L] over the masked tokens to a scalar.
 
     token_mean: sum(v*m) / sum(m) (DAPO: every token weighs the same).
@@ -103,20 +143,9 @@ def aggregate(values: Tensor, mask: Tensor, mode: str | Enum, max_len: int | Non
       constant across batches.
     An all-zero mask gives 0 (with the graph kept, so backward still works).
     """
-    mode = _name(mode)
+    reduce = AGGREGATE[loss_aggregation(mode)]
     mask = mask.to(values.dtype)
-    masked = values * mask
-    if mode == "token_mean":
-        return masked.sum() / mask.sum().clamp(min=1.0)
-    if mode == "seq_mean_token_mean":
-        counts = mask.sum(dim=-1)
-        per_seq = masked.sum(dim=-1) / counts.clamp(min=1.0)
-        has_tokens = (counts > 0).to(values.dtype)
-        return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1.0)
-    if mode == "seq_mean_token_sum":
-        norm = float(max_len if max_len is not None else values.shape[-1])
-        return (masked.sum(dim=-1) / norm).mean()
-    raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {list(AGGREGATIONS)}")
+    return reduce(values * mask, mask, max_len)
 
 
 def policy_loss(
@@ -126,7 +155,7 @@ def policy_loss(
     loss_mask: Tensor,
     eps_clip_low: float,
     eps_clip_high: float,
-    aggregation: str | Enum = "token_mean",
+    aggregation: LossAggregation | str = LossAggregation.token_mean,
     tis_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip surrogate with asymmetric clipping (DAPO clip-higher), optionally TIS-weighted.
@@ -155,19 +184,33 @@ def policy_loss(
     return loss, {"clipfrac": float(clipfrac), "ratio_mean": float(ratio_mean)}
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str | Enum = "k3") -> Tensor:
+def _k1(log_ratio: Tensor) -> Tensor:
+    return log_ratio
+
+
+def _k2(log_ratio: Tensor) -> Tensor:
+    return 0.5 * log_ratio.square()
+
+
+def _k3(log_ratio: Tensor) -> Tensor:
+    neg = (-log_ratio).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return (torch.exp(neg) - neg - 1.0).clamp(-10.0, 10.0)
+
+
+KL_ESTIMATE: dict[KLEstimator, Callable[[Tensor], Tensor]] = {
+    KLEstimator.k1: _k1,
+    KLEstimator.k2: _k2,
+    KLEstimator.k3: _k3,
+}
+
+
+def kl_penalty(
+    logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator | str = KLEstimator.k3
+) -> Tensor:
     """Per-token KL(pi || ref) estimate from sampled tokens (Schulman's k1/k2/k3).
 
     k1 = logp - ref; k2 = (logp - ref)^2 / 2; k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, >= 0,
     low variance), with the log ratio clamped to +-20 and k3 to [-10, 10] for stability.
     """
-    estimator = _name(estimator)
-    log_ratio = logprobs.float() - ref_logprobs.float()
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio.square()
-    if estimator == "k3":
-        neg = (-log_ratio).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        return (torch.exp(neg) - neg - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {list(KL_ESTIMATORS)}")
+    estimate = KL_ESTIMATE[kl_estimator(estimator)]
+    return estimate(logprobs.float() - ref_logprobs.float())

@@ -1,13 +1,14 @@
 """The GRPO/DAPO training loss of one micro-batch, and its normalisation over the global mini-batch.
 
-Every train engine (FSDP here, Megatron next) runs the forward and the backward; what is minimised is
-decided here, once. A mini-batch is split over ranks and micro-batches, but the loss must be the one of
-the whole mini-batch, so the update does not depend on the world size or the micro-batch size:
+Every trainer backend (fsdp, megatron) runs only the forward and the backward, through the one update
+loop of `dsv4rl.train.update`; what is minimised is decided here, once. A mini-batch is split over ranks
+and micro-batches, but the loss must be the one of the whole mini-batch, so the update does not depend on
+the world size or the micro-batch size:
 
 - `micro_batch_loss` returns the micro-batch's loss as an additive *sum* (its `aggregate` times
   `sum_factor`), with the policy-gradient term (PPO clip, DAPO clip-higher, TIS weights), the KL
   penalty against a reference model and the entropy bonus;
-- `normaliser_share` is this rank's share of the mini-batch's normaliser; the engine all-reduces it
+- `normaliser_share` is this rank's share of the mini-batch's normaliser; the update loop all-reduces it
   and scales each backward by `gradient_scale` (data-parallel gradient averaging undone).
 
 Sum over micro-batches and ranks of `loss_sum` / the all-reduced normaliser equals `aggregate` over the
@@ -18,32 +19,33 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from torch import Tensor
 
-from dsv4rl.algo.grpo import _name, aggregate, entropy_from_logits, kl_penalty, policy_loss
+from dsv4rl.algo.grpo import aggregate, entropy_from_logits, kl_penalty, loss_aggregation, policy_loss
 from dsv4rl.algo.mismatch import correction_weights
-from dsv4rl.config.schema import AlgoConfig
+from dsv4rl.config.schema import AlgoConfig, KLEstimator, LossAggregation
+
+# What turns `aggregate(values, mask, mode)` of one micro-batch back into an additive sum over its
+# sequences or tokens (mirrors `dsv4rl.algo.grpo.AGGREGATE`).
+SUM_FACTOR: dict[LossAggregation, Callable[[Tensor], Tensor]] = {
+    LossAggregation.token_mean: lambda mask: mask.sum(),
+    LossAggregation.seq_mean_token_mean: lambda mask: (mask.sum(dim=-1) > 0).sum().to(mask.dtype),
+    # aggregate divides by B and by L (the micro-batch's length)
+    LossAggregation.seq_mean_token_sum: lambda mask: torch.tensor(
+        float(mask.shape[0] * mask.shape[1]), device=mask.device
+    ),
+}
 
 
-def sum_factor(mask: Tensor, mode: str | Enum) -> Tensor:
-    """What turns `aggregate(values, mask, mode)` of one micro-batch back into an additive sum over its
-    sequences or tokens (mirrors `dsv4rl.algo.grpo.aggregate`)."""
-    mode = _name(mode)
-    if mode == "token_mean":
-        return mask.sum()
-    if mode == "seq_mean_token_mean":
-        return (mask.sum(dim=-1) > 0).sum().to(mask.dtype)
-    if mode == "seq_mean_token_sum":  # aggregate divides by B and by L (the micro-batch's length)
-        return torch.tensor(float(mask.shape[0] * mask.shape[1]), device=mask.device)
-    raise ValueError(f"unknown loss aggregation {mode!r}")
+def sum_factor(mask: Tensor, mode: LossAggregation | str) -> Tensor:
+    return SUM_FACTOR[loss_aggregation(mode)](mask)
 
 
-def normaliser_share(mask: Tensor, mode: str | Enum, max_len: int) -> Tensor:
+def normaliser_share(mask: Tensor, mode: LossAggregation | str, max_len: int) -> Tensor:
     """This rank's share of the mini-batch normaliser (the caller all-reduces it over ranks)."""
-    if _name(mode) == "seq_mean_token_sum":  # Dr.GRPO: a constant, the response cap, per sequence
+    if loss_aggregation(mode) == LossAggregation.seq_mean_token_sum:  # Dr.GRPO: the response cap per sequence
         return torch.tensor(float(mask.shape[0] * max_len), device=mask.device)
     return sum_factor(mask, mode)
 
@@ -78,7 +80,7 @@ def micro_batch_loss(
 ) -> MicroBatchLoss:
     """The loss of one micro-batch as a sum (see the module doc). `logits` [B, T, V] are the forward's,
     `logprobs` [B, T-1] the response-token log-probs computed from them at `temperature`."""
-    mode = _name(algo.loss_aggregation)
+    mode = loss_aggregation(algo.loss_aggregation)
     local = sum_factor(loss_mask, mode)
     pg, pg_metrics = policy_loss(
         logprobs,
@@ -96,7 +98,7 @@ def micro_batch_loss(
         kl_tokens = kl_penalty(logprobs, ref_logprobs, algo.kl_estimator)
         loss_sum = loss_sum + algo.kl_coef * aggregate(kl_tokens, loss_mask, mode) * local
         with torch.no_grad():
-            ref_kl_sum = (kl_penalty(logprobs, ref_logprobs, "k3") * loss_mask).sum()
+            ref_kl_sum = (kl_penalty(logprobs, ref_logprobs, KLEstimator.k3) * loss_mask).sum()
     scaled = logits[:, :-1] / temperature if temperature > 0 else logits[:, :-1]
     if algo.entropy_coef > 0:
         entropy = entropy_from_logits(scaled)
@@ -112,8 +114,8 @@ def micro_batch_loss(
     )
 
 
-# A train step's sums over response tokens, one float64 vector an engine all-reduces over ranks; the
-# engine adds the loss terms per micro-batch, `step_sums` gives the batch-derived ones.
+# A train step's sums over response tokens, one float64 vector the update loop all-reduces over ranks; the
+# loss terms come per micro-batch, `step_sums` gives the batch-derived ones.
 LOSS, ENTROPY, KL, CLIPPED, ABS_DIFF, TOKENS, TIS_CLIPPED, MIS_MASKED = range(8)
 NUM_STEP_SUMS = 8
 
@@ -156,7 +158,7 @@ def step_sums(
     sums[TIS_CLIPPED] = corrections["tis_clipped"]
     sums[MIS_MASKED] = corrections["mis_masked"]
     if not with_reference:
-        sums[KL] = (kl_penalty(old_logprobs, rollout_logprobs, "k3") * loss_mask).sum()
+        sums[KL] = (kl_penalty(old_logprobs, rollout_logprobs, KLEstimator.k3) * loss_mask).sum()
     return sums
 
 

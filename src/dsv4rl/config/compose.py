@@ -4,7 +4,7 @@ Recipes are YAML files in a `recipes/` directory: top-level files are recipes (`
 sub-directories are config groups (`model/`, `parallel/`, ...). Every recipe lists `dsv4rl_schema`
 first in its defaults, so Hydra merges the YAML into the structured schema: a key the schema lacks or a
 wrongly typed value fails here, with a message that names the key and the valid choices, before any
-process starts. Cross-field rules live in `dsv4rl.config.validate`.
+process starts. Cross-field rules live in `dsv4rl.checks.validate`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-import dsv4rl
 from dsv4rl.config.schema import Config
 
 RECIPES_ENV = "DSV4RL_RECIPES"
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # dsv4rl/ (config/ is one level down)
 SCHEMA_NAME = "dsv4rl_schema"  # the ConfigStore entry every recipe lists first in its defaults
 
 
@@ -63,7 +63,7 @@ def find_recipes_dir(package_dir: Path | None = None, environ: Mapping[str, str]
                 f"{RECIPES_ENV}={override!r} is not a directory; point it at a recipes directory"
             )
         return path.resolve()
-    package_dir = Path(dsv4rl.__file__).resolve().parent if package_dir is None else Path(package_dir)
+    package_dir = _PACKAGE_DIR if package_dir is None else Path(package_dir)
     checkout_root = package_dir.parent.parent
     if (checkout_root / "pyproject.toml").is_file() and (checkout_root / "recipes").is_dir():
         return (checkout_root / "recipes").resolve()

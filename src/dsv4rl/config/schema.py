@@ -3,13 +3,28 @@
 Recipes are YAML composed by Hydra; the composed tree is merged into these dataclasses
 (OmegaConf structured configs), so an unknown key or a wrongly typed value is rejected
 before any process starts. Cross-field rules (parallel layouts, sizes) live in
-`dsv4rl.config.validate`.
+`dsv4rl.checks.validate`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+
+class Task(StrEnum):
+    """What a run's trainer-side process does (`dsv4rl train`, `dsv4rl align`, `dsv4rl eval`)."""
+
+    train = "train"
+    align = "align"  # trainer ranks recompute the engines' log-probs (dsv4rl.train.align)
+    eval = "eval"  # one evaluating process in the trainer's place (dsv4rl.eval.worker)
+
+
+class ProcessRole(StrEnum):
+    """A node supervisor's child: a rollout engine (a server) or the trainer side (watched for progress)."""
+
+    engine = "engine"
+    trainer = "trainer"
 
 
 class TrainBackend(StrEnum):

@@ -2,7 +2,7 @@
 interfaces, and SGLang's DeepSeek-V4 variables.
 
 The planner gives every process this shell's environment with `comm.env` over it, and SGLang engines
-`quant.engine_env` over that (`dsv4rl.launcher.plan`, `dsv4rl.config.rules_quant.engine_env`); these checks
+`quant.engine_env` over that (`dsv4rl.launcher.plan`, `dsv4rl.quant.sglang_env.engine_env`); these checks
 judge the same merged environments. Facts: MSCCL/MSCCL++ left RCCL in ROCm 7.13 (RCCL release notes), so
 their switches do nothing there; the ROCr runtime applies ROCR_VISIBLE_DEVICES first and HIP's
 HIP_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES index into what is left (ROCm docs, "GPU isolation"); XNACK
@@ -12,11 +12,12 @@ NCCL_SOCKET_IFNAME takes interface-name prefixes, `=` for an exact name, `^` to 
 
 from __future__ import annotations
 
-from dsv4rl.config.rules_quant import engine_env
+from dsv4rl.config.schema import RolloutEngineKind
 from dsv4rl.doctor.context import NO_RECIPE, Context
 from dsv4rl.doctor.facts import DISCRETE_AMD, GpuModel, GpuVendor, version_tuple
 from dsv4rl.doctor.verdict import Check, Status
 from dsv4rl.quant import sglang_env
+from dsv4rl.quant.sglang_env import engine_env
 
 MSCCL_REMOVED_IN = (7, 13)  # ROCm release whose RCCL no longer has MSCCL / MSCCL++
 VISIBILITY = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
@@ -199,7 +200,7 @@ def check_sglang_env(ctx: Context) -> Check:
     """SGLang's DeepSeek-V4 variables as the engines will see them, judged by `dsv4rl.quant.sglang_env`."""
     cfg = ctx.cfg
     shell_sglang = sorted(k for k in ctx.facts.env if k.startswith("SGLANG_"))
-    if cfg is not None and cfg.parallel.rollout.engine.value != "sglang":
+    if cfg is not None and cfg.parallel.rollout.engine != RolloutEngineKind.sglang:
         return Check("env.sglang", Status.SKIP, "the recipe uses the reference engine, not SGLang")
     if cfg is None:
         env = ctx.facts.env

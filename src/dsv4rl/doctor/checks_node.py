@@ -3,6 +3,7 @@ interpreter, and the GPUs (model, architecture, count, memory, PCI ids)."""
 
 from __future__ import annotations
 
+from dsv4rl.config.schema import RolloutEngineKind, TrainBackend
 from dsv4rl.doctor.context import NO_RECIPE, Context
 from dsv4rl.doctor.facts import AMD_PCI_IDS, GpuVendor, TorchBuild, version_tuple
 from dsv4rl.doctor.verdict import Check, Status
@@ -102,7 +103,7 @@ def check_rocm(ctx: Context) -> Check:
 
 def check_megatron(ctx: Context) -> Check:
     version = ctx.probe.package_version("megatron-core")
-    needed = ctx.cfg is not None and ctx.cfg.parallel.train.backend.value == "megatron"
+    needed = ctx.cfg is not None and ctx.cfg.parallel.train.backend == TrainBackend.megatron
     if version is not None:
         return Check("software.megatron", Status.PASS, f"megatron-core {version}")
     if needed:
@@ -121,7 +122,7 @@ def check_sglang(ctx: Context) -> Check:
     cfg = ctx.cfg
     if cfg is None:
         return Check("software.sglang", Status.SKIP, NO_RECIPE)
-    if cfg.parallel.rollout.engine.value != "sglang":
+    if cfg.parallel.rollout.engine != RolloutEngineKind.sglang:
         return Check("software.sglang", Status.SKIP, "the recipe uses the reference engine, not SGLang")
     if not node_runs_sglang(cfg):
         return Check(

@@ -197,14 +197,14 @@ class SystemProbe:
 
     def time_collectives(self, world: int, backend: str, size_bytes: int, iters: int) -> dict[str, float]:
         """Seconds per all-reduce / broadcast across `world` local ranks (`dsv4rl doctor --probe`)."""
-        from dsv4rl.doctor.bandwidth import run_ranks
+        from dsv4rl.doctor.collectives import run_ranks
 
         return run_ranks(world, backend, size_bytes, iters)
 
     def recipe_path_problems(self, cfg: Config) -> list[str]:
         """What `dsv4rl train` would refuse on this machine (model, tokenizer, data paths...)."""
+        from dsv4rl.checks.validate import validate
         from dsv4rl.config.compose import ConfigError
-        from dsv4rl.config.validate import validate
 
         try:
             validate(cfg, check_paths=True)

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from dsv4rl.engine.sampling import SamplingParams, edit_logits, mix_seed, sample
+from dsv4rl.engine.sampling import SamplingParams, edit_logits, sample
 from dsv4rl.faults import heartbeat
+from dsv4rl.wire.seed import mix_seed
 
 _DONE_LOCK = threading.Lock()  # GenRequest.done is made by a waiter and set by the generator thread
 

@@ -1,235 +1,34 @@
 """The reference engine's HTTP server: SGLang 0.5.23's protocol on FastAPI.
 
 `create_app(model_path, ...)` loads the model and tokenizer and returns the app; `main(argv)` serves it
-with uvicorn. Weight-update endpoints live in `dsv4rl.engine.weight_routes`.
+with uvicorn. The generation and control endpoints live here; the weight-update endpoints
+(`dsv4rl.engine.weight_routes`) and the memory endpoints (`dsv4rl.engine.memory_routes`) are routers the
+app includes. Every handler works on the app's `Engine` (`dsv4rl.engine.state`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import os
-import random
-import sys
 import threading
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
 import orjson
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from dsv4rl.engine.generator import Generator, GenRequest
+from dsv4rl.engine.args import ServerArgs, parse_args
+from dsv4rl.engine.generator import GenRequest
 from dsv4rl.engine.http_util import AbortBody, BadRequest, PauseBody, check_auth, read_body
-from dsv4rl.engine.memory import EngineMemory
+from dsv4rl.engine.memory_routes import router as memory_router
 from dsv4rl.engine.protocol import ContractError, RangeError, build_response, parse_generate
-from dsv4rl.engine.sampling import SamplingParams
-from dsv4rl.engine.weight_store import DeepseekWeights
-from dsv4rl.model.native_checkpoint import (
-    CheckpointError,
-    block_size,
-    checkpoint_format,
-    is_native_checkpoint,
-    load_native_checkpoint,
-    read_config,
-)
-
-log = logging.getLogger("dsv4rl.engine")
-VERSION = "0.5.23"
-READY_LINE = "The server is fired up and ready to roll!"
-
-
-@dataclass
-class ServerArgs:
-    """The launch flags (SGLang names); reported by /server_info."""
-
-    model_path: str
-    tokenizer_path: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 30000
-    max_batch_size: int = 256
-    random_seed: int | None = None
-    weight_version: str = "default"
-    api_key: str | None = None
-    admin_api_key: str | None = None
-    log_level: str = "info"
-    num_threads: int | None = None
-    served_model_name: str | None = None
-    skip_tokenizer_init: bool = False
-    skip_server_warmup: bool = False
-    dtype: str = "auto"
-    tp_size: int = 1
-    dp_size: int = 1
-    pp_size: int = 1
-    ep_size: int = 1
-    context_length: int | None = None
-    load_format: str = "auto"
-    enable_deterministic_inference: bool = False  # sampling_seed is honoured only with it, as in SGLang
-    enable_memory_saver: bool = False  # release_memory_occupation frees memory only with it, as in SGLang
-
-
-class Engine:
-    """Everything a request handler needs: model, tokenizer, generator, status and the weight session."""
-
-    def __init__(self, args: ServerArgs, receiver: Any = None) -> None:
-        self.args = args
-        if args.random_seed is None:
-            args.random_seed = random.randint(0, 2**30)
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
-        # The forward runs in float32 on the dequantized weights ("auto"), or in the dtype asked for.
-        dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-        self.model, stored = load_native_checkpoint(args.model_path, dtype)
-        self.weights = DeepseekWeights(self.model, stored, *checkpoint_description(args.model_path))
-        self.tokenizer = None
-        if not args.skip_tokenizer_init:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
-        self.context_length = args.context_length or self.model.config.max_position_embeddings
-        self.generator = Generator(
-            self.model,
-            max_batch_size=args.max_batch_size,
-            random_seed=args.random_seed,
-            weight_version=args.weight_version,
-            context_length=self.context_length,
-            decode_text=self.decode if self.tokenizer is not None else None,
-            deterministic=args.enable_deterministic_inference,
-        )
-        self.memory = EngineMemory(self.weights, self.generator, memory_saver=args.enable_memory_saver)
-        self.generator.admission = self.memory.refusal  # nothing runs on released memory
-        self.status = "Starting"
-        self.shutting_down = False
-        self.session_open = False
-        self.receiver = receiver
-        self.startup_time = time.time()
-        self.checksum_snapshot: dict[str, str] | None = None
-        self.ready = threading.Event()
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
-
-    def get_receiver(self) -> Any:
-        """The weight receiver, built on first use (it needs torch.distributed)."""
-        if self.receiver is None:
-            from dsv4rl.engine.weight_receiver import WeightReceiver
-
-            self.receiver = WeightReceiver(self.weights)
-        return self.receiver
-
-    def warmup(self) -> None:
-        """SGLang's warmup: one 8-token greedy generate, then status Up."""
-        if not self.args.skip_server_warmup:
-            request = GenRequest(
-                [0], SamplingParams(max_new_tokens=8, temperature=0.0, top_k=1), internal=True
-            )
-            request.rid = f"WARMUP_{uuid.uuid4().hex}"
-            self.generator.submit([request])
-            request.done.wait()
-        self.status = "Up"
-        self.ready.set()
-        log.info(READY_LINE)
-
-    def freeze_gc(self) -> None:
-        """SGLang's /freeze_gc: every object alive now (imports, the model, the warmup's) moves to the
-        permanent generation, so a full collection no longer walks them. Without it a full collection
-        in this process took 0.19-0.25 s, a whole generate of the tiny_arith batch, every few requests."""
-        before = gc.get_count()
-        gc.freeze()
-        log.info("Freezing GC in the engine process: %d objects frozen (gen0/1/2 counts were %s)",
-                 gc.get_freeze_count(), before)  # fmt: skip
-
-    async def health_generate(self) -> bool:
-        """A real 1-token generate; any engine progress counts, as in SGLang (never while paused)."""
-        if self.generator.paused:
-            self.status = "UnHealthy"
-            return False
-        request = GenRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0, top_k=1), internal=True)
-        request.rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
-        steps = self.generator.steps
-        timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
-        self.generator.submit([request])
-        deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                if request.finished or self.generator.steps > steps:
-                    self.status = "Up"
-                    return True
-                await asyncio.sleep(0.02)
-        finally:
-            if not request.finished:
-                self.generator.abort(request.rid)
-        self.status = "UnHealthy"
-        return False
-
-    def model_info(self) -> dict:
-        config = self.model.config
-        return {
-            "model_path": self.args.model_path,
-            "served_model_name": self.args.served_model_name or self.args.model_path,
-            "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": self.generator.weight_version,
-            "load_format": self.args.load_format,
-            "reasoning_parser": None,
-            "tool_call_parser": None,
-            "disaggregation_mode": "null",
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": config.model_type,
-            "architectures": list(config.architectures or []),
-        }
-
-    def server_info(self) -> dict:
-        info = asdict(self.args)
-        counts = self.generator.num_requests()
-        info.update(
-            context_length=self.context_length,
-            launch_command=" ".join(sys.argv),
-            status="ready" if self.status == "Up" else self.status.lower(),
-            max_total_num_tokens=self.context_length * self.args.max_batch_size,
-            max_req_input_len=self.context_length - 1,
-            startup_time=self.startup_time,
-            kv_events=None,
-            internal_states=[
-                {
-                    "weight_version": self.generator.weight_version,
-                    "num_running_reqs": counts["running"],
-                    "num_waiting_reqs": counts["waiting"] + counts["held"],
-                    "paused": self.generator.paused,
-                    "memory_occupation": self.memory.occupation(),  # dsv4rl's: what is held, what released
-                    "last_gen_throughput": 0.0,
-                }
-            ],
-            version=VERSION,
-            frontend="python",
-        )
-        for key in ("api_key", "admin_api_key"):
-            info[key] = None if info[key] is None else "***"
-        return info
-
-
-def checkpoint_description(model_path: str) -> tuple[tuple[int, int], str]:
-    """(FP8 block size, what the checkpoint the engine starts from stores, for refusal messages)."""
-    block = block_size(read_config(model_path))
-    if not is_native_checkpoint(model_path):
-        return block, "a transformers checkpoint"
-    try:
-        return block, checkpoint_format(model_path).describe()
-    except CheckpointError as error:
-        return block, str(error)
+from dsv4rl.engine.state import Engine
+from dsv4rl.engine.weight_routes import router as weight_router
 
 
 def create_app(model_path: str, *, receiver: Any = None, **kwargs: Any) -> FastAPI:
@@ -393,11 +192,8 @@ def create_app(model_path: str, *, receiver: Any = None, **kwargs: Any) -> FastA
         engine.freeze_gc()
         return Response(content="Garbage collection frozen.\n", status_code=200)
 
-    from dsv4rl.engine.memory_routes import add_memory_routes
-    from dsv4rl.engine.weight_routes import add_weight_routes
-
-    add_memory_routes(app, engine)
-    add_weight_routes(app, engine)
+    app.include_router(memory_router)
+    app.include_router(weight_router)
     return app
 
 
@@ -455,8 +251,6 @@ async def _stream(
 def main(argv: list[str] | None = None) -> None:
     """Parse SGLang-style flags and serve until interrupted."""
     import uvicorn
-
-    from dsv4rl.engine.__main__ import parse_args
 
     args = parse_args(argv)
     logging.basicConfig(

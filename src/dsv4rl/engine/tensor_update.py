@@ -8,7 +8,7 @@ buffer, and anything else is a custom loader or a NotImplementedError; then the 
 and the weight version set. Its success message is "Success", plus " Weight version updated to X.".
 
 The reference engine is stricter: exactly one entry per TP rank; the payload must unpickle (allow-listed,
-`dsv4rl.sync.tensor_payload`) to what its load_format promises; the engine must hold exactly those names,
+`dsv4rl.wire.tensor_payload`) to what its load_format promises; the engine must hold exactly those names,
 dtypes and shapes (`HeldWeights.plan`); every check runs before anything is written, and the tensors are
 copied out of the trainer's shared memory before the call answers.
 """
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import torch
 
 from dsv4rl.engine.weight_store import HeldWeights
-from dsv4rl.sync.buckets import dtype_name
-from dsv4rl.sync.tensor_payload import LOAD_FORMATS, PayloadError, deserialize, named_tensors
+from dsv4rl.wire.layout import dtype_name
+from dsv4rl.wire.tensor_payload import LOAD_FORMATS, PayloadError, deserialize, named_tensors
 
 __all__ = ["RELEASED", "SUCCESS", "receive_tensors"]
 

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from dsv4rl.engine.weight_store import HeldWeights, PlannedTensor
-from dsv4rl.sync.buckets import FLATTENED_BUCKET, flattened_offsets, unflatten_bucket
-from dsv4rl.sync.process_group import (
+from dsv4rl.wire.layout import FLATTENED_BUCKET, flattened_offsets, unflatten_bucket
+from dsv4rl.wire.process_group import (
     BACKENDS,
     destroy_custom_process_group,
     format_init_method,

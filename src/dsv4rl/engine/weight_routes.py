@@ -3,29 +3,31 @@
 Session rules are enforced here, BEFORE the receiver is touched: an update outside a
 begin/end session is refused without joining any broadcast. Blocking receiver calls run in a worker
 thread; updates hold the model (no forward in flight) and, when not paused, wait for in-flight
-requests first, like SGLang's writer lock.
+requests first, like SGLang's writer lock. A router the server includes; each handler works on the app's
+`Engine`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from dsv4rl.engine.http_util import Body, read_body
+from dsv4rl.engine.state import Engine
 from dsv4rl.engine.tensor_update import RELEASED, SUCCESS, receive_tensors
 from dsv4rl.faults import heartbeat
-from dsv4rl.sync.buckets import dtype_name
-from dsv4rl.sync.checksum import checksums, engine_checksum, overall_checksum
+from dsv4rl.wire.checksum import checksums, engine_checksum, overall_checksum
+from dsv4rl.wire.layout import dtype_name
 
-if TYPE_CHECKING:
-    from dsv4rl.engine.server import Engine
+__all__ = ["router"]
 
 log = logging.getLogger("dsv4rl.engine")
+router = APIRouter()
 
 OUTSIDE_SESSION = "{endpoint} must run between begin_weight_update() and end_weight_update()"  # SGLang's text
 NOT_FLUSHED = (
@@ -105,257 +107,276 @@ def result(success: bool, message: str, **extra: Any) -> JSONResponse:
     )
 
 
-def add_weight_routes(app: FastAPI, engine: Engine) -> None:
+def _receiver_or_error(engine: Engine) -> tuple[Any, JSONResponse | None]:
+    try:
+        return engine.get_receiver(), None
+    except ImportError as error:
+        return None, result(False, f"The weight receiver is not available: {error}")
+
+
+@router.post("/begin_weight_update")
+async def begin_weight_update(request: Request) -> JSONResponse:
+    engine: Engine = request.app.state.engine
     generator = engine.generator
+    await read_body(request, SelectorBody)
 
-    def receiver_or_error() -> tuple[Any, JSONResponse | None]:
-        try:
-            return engine.get_receiver(), None
-        except ImportError as error:
-            return None, result(False, f"The weight receiver is not available: {error}")
+    def run() -> bool:
+        with generator.exclusive():
+            if engine.session_open:
+                return False
+            engine.session_open = True
+            return True
 
-    @app.post("/begin_weight_update")
-    async def begin_weight_update(request: Request) -> JSONResponse:
-        await read_body(request, SelectorBody)
+    if not await asyncio.to_thread(run):
+        return result(False, "a weight-update session is already open; call end_weight_update() first")
+    return result(True, "Success")
 
-        def run() -> bool:
-            with generator.exclusive():
-                if engine.session_open:
-                    return False
-                engine.session_open = True
-                return True
 
-        if not await asyncio.to_thread(run):
-            return result(False, "a weight-update session is already open; call end_weight_update() first")
-        return result(True, "Success")
+@router.post("/end_weight_update")
+async def end_weight_update(request: Request) -> JSONResponse:
+    engine: Engine = request.app.state.engine
+    generator = engine.generator
+    await read_body(request, SelectorBody)
 
-    @app.post("/end_weight_update")
-    async def end_weight_update(request: Request) -> JSONResponse:
-        await read_body(request, SelectorBody)
+    def run() -> bool:
+        with generator.exclusive():
+            was_open, engine.session_open = engine.session_open, False
+            return was_open
 
-        def run() -> bool:
-            with generator.exclusive():
-                was_open, engine.session_open = engine.session_open, False
-                return was_open
+    if not await asyncio.to_thread(run):
+        return result(False, "no weight-update session is open; call begin_weight_update() first")
+    return result(True, "Success")
 
-        if not await asyncio.to_thread(run):
-            return result(False, "no weight-update session is open; call begin_weight_update() first")
-        return result(True, "Success")
 
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request) -> JSONResponse:
-        body = await read_body(request, InitGroupBody)
-        receiver, error = receiver_or_error()
-        if error is not None:
-            return error
-        rank = body.rank_offset  # + tp_rank, which is 0 here
-        log.info(
-            "init custom process group: master_address=%s, master_port=%d, rank=%d, world_size=%d, "
-            "group_name=%s, backend=%s",
-            body.master_address, body.master_port, rank, body.world_size, body.group_name, body.backend,
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(request: Request) -> JSONResponse:
+    engine: Engine = request.app.state.engine
+    body = await read_body(request, InitGroupBody)
+    receiver, error = _receiver_or_error(engine)
+    if error is not None:
+        return error
+    rank = body.rank_offset  # + tp_rank, which is 0 here
+    log.info(
+        "init custom process group: master_address=%s, master_port=%d, rank=%d, world_size=%d, "
+        "group_name=%s, backend=%s",
+        body.master_address, body.master_port, rank, body.world_size, body.group_name, body.backend,
+    )  # fmt: skip
+    try:
+        await asyncio.to_thread(
+            receiver.init_group,
+            body.master_address, body.master_port, body.rank_offset, body.world_size,
+            body.group_name, body.backend,
         )  # fmt: skip
-        try:
-            await asyncio.to_thread(
-                receiver.init_group,
-                body.master_address, body.master_port, body.rank_offset, body.world_size,
-                body.group_name, body.backend,
-            )  # fmt: skip
-        except Exception as exc:
-            log.exception("init_weights_update_group failed")
-            return result(False, f"Failed to initialize custom process group: {exc}.")
-        return result(True, "Succeeded to initialize custom process group.")
+    except Exception as exc:
+        log.exception("init_weights_update_group failed")
+        return result(False, f"Failed to initialize custom process group: {exc}.")
+    return result(True, "Succeeded to initialize custom process group.")
 
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request) -> JSONResponse:
-        body = await read_body(request, DistributedBody)
-        if not engine.session_open:
-            return result(False, OUTSIDE_SESSION.format(endpoint="update_weights_from_distributed"))
-        if engine.weights.released:  # refused before any broadcast is joined
-            return result(False, RELEASED)
-        if not len(body.names) == len(body.dtypes) == len(body.shapes):
-            return result(
-                False,
-                f"names ({len(body.names)}), dtypes ({len(body.dtypes)}) and shapes ({len(body.shapes)}) "
-                "must have the same length",
-            )
-        receiver, error = receiver_or_error()
-        if error is not None:
-            return error
-        if body.abort_all_requests:
-            generator.abort(abort_all=True)
 
-        def run() -> bool:
-            with generator.exclusive(), heartbeat.busy("weight_update"):
-                receiver.receive(body.names, body.dtypes, body.shapes, body.group_name, body.load_format)
-                if body.flush_cache and generator.busy():
-                    return False
-                if body.weight_version is not None:
-                    generator.weight_version = body.weight_version
-                return True
-
-        try:
-            flushed = await asyncio.to_thread(run)
-        except Exception as exc:
-            log.exception("update_weights_from_distributed failed")
-            message = str(exc)
-            if not message.startswith("Failed"):
-                message = f"Failed to update weights: {message}"
-            return result(False, message)
-        if not flushed:
-            return result(False, NOT_FLUSHED)
-        message = "Succeeded to update parameter online."
-        if body.weight_version is not None:
-            message += f" Weight version updated to {body.weight_version}."
-        return result(True, message)
-
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request) -> JSONResponse:
-        """Tensors a colocated trainer shared by handle (`dsv4rl.engine.tensor_update`)."""
-        body = await read_body(request, TensorBody)
-        if not engine.session_open:
-            return result(False, OUTSIDE_SESSION.format(endpoint="update_weights_from_tensor"))
-        if body.abort_all_requests:
-            generator.abort(abort_all=True)
-
-        def run() -> bool:
-            received = receive_tensors(
-                engine.weights, body.serialized_named_tensors, body.load_format, engine.args.tp_size
-            )
-            with generator.exclusive(), heartbeat.busy("weight_update"):
-                engine.weights.commit(received)
-                if body.flush_cache and generator.busy():
-                    return False
-                if body.weight_version is not None:
-                    generator.weight_version = body.weight_version
-                return True
-
-        try:
-            flushed = await asyncio.to_thread(run)
-        except Exception as exc:
-            log.warning("update_weights_from_tensor refused: %s", exc)
-            return result(False, f"Failed to update weights from tensor: {exc}")
-        if not flushed:
-            return result(False, NOT_FLUSHED)
-        message = SUCCESS
-        if body.weight_version is not None:
-            message += f" Weight version updated to {body.weight_version}."
-        return result(True, message)
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request) -> JSONResponse:
-        body = await read_body(request, DiskBody)
-        if body.abort_all_requests:
-            generator.abort(abort_all=True)
-
-        def run() -> None:
-            from dsv4rl.model.native_checkpoint import load_native_checkpoint
-
-            _, stored = load_native_checkpoint(body.model_path, engine.model.dtype)
-            held = engine.weights
-            names = sorted(held.state())
-            missing = sorted(set(names) - stored.keys())
-            if missing:
-                raise ValueError(
-                    f"the checkpoint lacks {len(missing)} tensors the engine holds: {missing[:5]}"
-                )
-            tensors = {name: stored[name] for name in names}
-            held.plan(
-                names,
-                [dtype_name(t.dtype) for t in tensors.values()],
-                [list(t.shape) for t in tensors.values()],
-            )
-            with generator.exclusive():
-                held.commit(tensors)
-                if body.weight_version is not None:
-                    generator.weight_version = body.weight_version
-
-        try:
-            await asyncio.to_thread(run)
-        except Exception as exc:
-            return result(False, f"Failed to update weights from disk: {exc}", num_paused_requests=0)
-        return result(True, "Succeeded to update model weights.", num_paused_requests=0)
-
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: Request) -> JSONResponse:
-        body = await read_body(request, GroupBody)
-        receiver, error = receiver_or_error()
-        if error is not None:
-            return error
-        if not receiver.has_group(body.group_name):
-            return result(False, "The group to be destroyed does not exist.")
-        try:
-            await asyncio.to_thread(receiver.destroy_group, body.group_name)
-        except Exception as exc:
-            return result(False, f"Failed to destroy custom process group: {exc}.")
-        return result(True, "Succeeded to destroy custom process group.")
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(request: Request) -> JSONResponse:
-        body = await read_body(request, VersionBody)
-        if body.abort_all_requests:
-            generator.abort(abort_all=True)
-        await asyncio.to_thread(generator.set_weight_version, body.new_version)
-        return JSONResponse(
-            {
-                "success": True,
-                "message": f"Weight version updated to {body.new_version}",
-                "new_version": body.new_version,
-            }
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(request: Request) -> JSONResponse:
+    engine: Engine = request.app.state.engine
+    generator = engine.generator
+    body = await read_body(request, DistributedBody)
+    if not engine.session_open:
+        return result(False, OUTSIDE_SESSION.format(endpoint="update_weights_from_distributed"))
+    if engine.weights.released:  # refused before any broadcast is joined
+        return result(False, RELEASED)
+    if not len(body.names) == len(body.dtypes) == len(body.shapes):
+        return result(
+            False,
+            f"names ({len(body.names)}), dtypes ({len(body.dtypes)}) and shapes ({len(body.shapes)}) "
+            "must have the same length",
         )
+    receiver, error = _receiver_or_error(engine)
+    if error is not None:
+        return error
+    if body.abort_all_requests:
+        generator.abort(abort_all=True)
 
-    @app.api_route("/weights_checker", methods=["GET", "POST"])
-    async def weights_checker(request: Request) -> JSONResponse:
-        """SGLang's four actions over the held tensors (native names, held dtypes; sha256 per tensor)."""
-        body = await read_body(request, CheckerBody)
-        skip = list(body.skip_tensor_list or [])
+    def run() -> bool:
+        with generator.exclusive(), heartbeat.busy("weight_update"):
+            receiver.receive(body.names, body.dtypes, body.shapes, body.group_name, body.load_format)
+            if body.flush_cache and generator.busy():
+                return False
+            if body.weight_version is not None:
+                generator.weight_version = body.weight_version
+            return True
+
+    try:
+        flushed = await asyncio.to_thread(run)
+    except Exception as exc:
+        log.exception("update_weights_from_distributed failed")
+        message = str(exc)
+        if not message.startswith("Failed"):
+            message = f"Failed to update weights: {message}"
+        return result(False, message)
+    if not flushed:
+        return result(False, NOT_FLUSHED)
+    message = "Succeeded to update parameter online."
+    if body.weight_version is not None:
+        message += f" Weight version updated to {body.weight_version}."
+    return result(True, message)
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(request: Request) -> JSONResponse:
+    """Tensors a colocated trainer shared by handle (`dsv4rl.engine.tensor_update`)."""
+    engine: Engine = request.app.state.engine
+    generator = engine.generator
+    body = await read_body(request, TensorBody)
+    if not engine.session_open:
+        return result(False, OUTSIDE_SESSION.format(endpoint="update_weights_from_tensor"))
+    if body.abort_all_requests:
+        generator.abort(abort_all=True)
+
+    def run() -> bool:
+        received = receive_tensors(
+            engine.weights, body.serialized_named_tensors, body.load_format, engine.args.tp_size
+        )
+        with generator.exclusive(), heartbeat.busy("weight_update"):
+            engine.weights.commit(received)
+            if body.flush_cache and generator.busy():
+                return False
+            if body.weight_version is not None:
+                generator.weight_version = body.weight_version
+            return True
+
+    try:
+        flushed = await asyncio.to_thread(run)
+    except Exception as exc:
+        log.warning("update_weights_from_tensor refused: %s", exc)
+        return result(False, f"Failed to update weights from tensor: {exc}")
+    if not flushed:
+        return result(False, NOT_FLUSHED)
+    message = SUCCESS
+    if body.weight_version is not None:
+        message += f" Weight version updated to {body.weight_version}."
+    return result(True, message)
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request) -> JSONResponse:
+    engine: Engine = request.app.state.engine
+    generator = engine.generator
+    body = await read_body(request, DiskBody)
+    if body.abort_all_requests:
+        generator.abort(abort_all=True)
+
+    def run() -> None:
+        from dsv4rl.model.native_checkpoint import load_native_checkpoint
+
+        _, stored = load_native_checkpoint(body.model_path, engine.model.dtype)
         held = engine.weights
-        if held.released:
-            return result(False, RELEASED)
+        names = sorted(held.state())
+        missing = sorted(set(names) - stored.keys())
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} tensors the engine holds: {missing[:5]}")
+        tensors = {name: stored[name] for name in names}
+        held.plan(
+            names,
+            [dtype_name(t.dtype) for t in tensors.values()],
+            [list(t.shape) for t in tensors.values()],
+        )
+        with generator.exclusive():
+            held.commit(tensors)
+            if body.weight_version is not None:
+                generator.weight_version = body.weight_version
 
-        def kept() -> dict[str, Any]:
-            return {n: t for n, t in held.state().items() if not any(pattern in n for pattern in skip)}
+    try:
+        await asyncio.to_thread(run)
+    except Exception as exc:
+        return result(False, f"Failed to update weights from disk: {exc}", num_paused_requests=0)
+    return result(True, "Succeeded to update model weights.", num_paused_requests=0)
 
-        def run() -> JSONResponse:
-            with generator.model_lock, held.lock:
-                if body.action == "checksum":
-                    sums = checksums(kept())
-                    per_gpu = overall_checksum(sums)
-                    rank = {
-                        "checksums": sums,
-                        "per_gpu_checksum": per_gpu,
-                        "parallelism_info": PARALLELISM_INFO,
-                    }
-                    engine_sum = engine_checksum([per_gpu])
-                    return JSONResponse(
-                        {"success": True, "message": "", "ranks": [rank], "per_engine_checksum": engine_sum}
-                    )
-                if body.action == "snapshot":
-                    engine.checksum_snapshot = {n: t.clone() for n, t in held.state().items()}
-                    return result(True, "")
-                if body.action == "compare":
-                    if engine.checksum_snapshot is None:
-                        return result(False, "No snapshot: call weights_checker with action snapshot first.")
-                    snapshot, engine.checksum_snapshot = engine.checksum_snapshot, None
-                    changed = sorted(
-                        n
-                        for n, t in kept().items()
-                        if not torch.equal(
-                            snapshot[n].view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
-                        )
-                    )
-                    if changed:
-                        return result(
-                            False, f"{len(changed)} tensors differ from the snapshot: {changed[:10]}"
-                        )
-                    return result(True, "")
-            if body.action == "reset_tensors":
-                with generator.exclusive():
-                    held.reset_random(skip)
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(request: Request) -> JSONResponse:
+    engine: Engine = request.app.state.engine
+    body = await read_body(request, GroupBody)
+    receiver, error = _receiver_or_error(engine)
+    if error is not None:
+        return error
+    if not receiver.has_group(body.group_name):
+        return result(False, "The group to be destroyed does not exist.")
+    try:
+        await asyncio.to_thread(receiver.destroy_group, body.group_name)
+    except Exception as exc:
+        return result(False, f"Failed to destroy custom process group: {exc}.")
+    return result(True, "Succeeded to destroy custom process group.")
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(request: Request) -> JSONResponse:
+    engine: Engine = request.app.state.engine
+    generator = engine.generator
+    body = await read_body(request, VersionBody)
+    if body.abort_all_requests:
+        generator.abort(abort_all=True)
+    await asyncio.to_thread(generator.set_weight_version, body.new_version)
+    return JSONResponse(
+        {
+            "success": True,
+            "message": f"Weight version updated to {body.new_version}",
+            "new_version": body.new_version,
+        }
+    )
+
+
+@router.api_route("/weights_checker", methods=["GET", "POST"])
+async def weights_checker(request: Request) -> JSONResponse:
+    """SGLang's four actions over the held tensors (native names, held dtypes; sha256 per tensor)."""
+    engine: Engine = request.app.state.engine
+    generator = engine.generator
+    body = await read_body(request, CheckerBody)
+    skip = list(body.skip_tensor_list or [])
+    held = engine.weights
+    if held.released:
+        return result(False, RELEASED)
+
+    def kept() -> dict[str, Any]:
+        return {n: t for n, t in held.state().items() if not any(pattern in n for pattern in skip)}
+
+    def run() -> JSONResponse:
+        with generator.model_lock, held.lock:
+            if body.action == "checksum":
+                sums = checksums(kept())
+                per_gpu = overall_checksum(sums)
+                rank = {
+                    "checksums": sums,
+                    "per_gpu_checksum": per_gpu,
+                    "parallelism_info": PARALLELISM_INFO,
+                }
+                engine_sum = engine_checksum([per_gpu])
+                return JSONResponse(
+                    {"success": True, "message": "", "ranks": [rank], "per_engine_checksum": engine_sum}
+                )
+            if body.action == "snapshot":
+                engine.checksum_snapshot = {n: t.clone() for n, t in held.state().items()}
                 return result(True, "")
-            return result(False, f"Unsupported action={body.action!r}")
+            if body.action == "compare":
+                if engine.checksum_snapshot is None:
+                    return result(False, "No snapshot: call weights_checker with action snapshot first.")
+                snapshot, engine.checksum_snapshot = engine.checksum_snapshot, None
+                changed = sorted(
+                    n
+                    for n, t in kept().items()
+                    if not torch.equal(
+                        snapshot[n].view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+                    )
+                )
+                if changed:
+                    return result(False, f"{len(changed)} tensors differ from the snapshot: {changed[:10]}")
+                return result(True, "")
+        if body.action == "reset_tensors":
+            with generator.exclusive():
+                held.reset_random(skip)
+            return result(True, "")
+        return result(False, f"Unsupported action={body.action!r}")
 
-        return await asyncio.to_thread(run)
+    return await asyncio.to_thread(run)
 
-    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
-    async def get_weights_by_name() -> JSONResponse:
-        return JSONResponse({"error": {"message": "Get parameter by name failed"}}, status_code=400)
+
+@router.api_route("/get_weights_by_name", methods=["GET", "POST"])
+async def get_weights_by_name() -> JSONResponse:
+    return JSONResponse({"error": {"message": "Get parameter by name failed"}}, status_code=400)

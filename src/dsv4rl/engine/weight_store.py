@@ -29,7 +29,7 @@ import torch
 
 from dsv4rl.model.naming import SCALE_SUFFIX, copy_native_into, scale_name, weight_name_of
 from dsv4rl.quant.formats import dequantize
-from dsv4rl.sync.buckets import dtype_name, pair_key, parse_dtype
+from dsv4rl.wire.layout import dtype_name, pair_key, parse_dtype
 
 __all__ = ["DeepseekWeights", "HeldWeights", "PlannedTensor"]
 

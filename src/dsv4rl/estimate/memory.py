@@ -41,7 +41,6 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from dsv4rl.config.rules_base import data_parallel_size, stage_layers
 from dsv4rl.config.schema import Config, QuantMode, RecomputeMode, RolloutEngineKind, TrainBackend
 from dsv4rl.estimate.devices import GB, device_spec
 from dsv4rl.estimate.params import (
@@ -53,6 +52,7 @@ from dsv4rl.estimate.params import (
     model_shape,
     stage_params,
 )
+from dsv4rl.topology import data_parallel_size, stage_layers
 
 TRAIN_OVERHEAD_GB = 5.0
 MAIN_GRAD_BYTES = 4

@@ -15,6 +15,7 @@ from dsv4rl.config.schema import Config
 from dsv4rl.eval.data import eval_problems
 from dsv4rl.eval.run import evaluate_on_engines, write_report
 from dsv4rl.reward.graders import get_grader
+from dsv4rl.wire.engine_api import EngineAPI
 
 __all__ = ["PeriodicEval", "eval_metrics"]
 
@@ -32,7 +33,7 @@ class PeriodicEval:
     def __init__(
         self,
         cfg: Config,
-        clients: Sequence[Any],
+        clients: Sequence[EngineAPI],
         tokenizer: Any,
         event_loop: asyncio.AbstractEventLoop,
         run_dir: Path,

@@ -23,6 +23,7 @@ from dsv4rl.eval.scores import ProblemResult, problem_row, score_problems
 from dsv4rl.reward.graders import Grader, grade_batch
 from dsv4rl.rollout.generate import generate_samples
 from dsv4rl.rollout.types import Sample
+from dsv4rl.wire.engine_api import EngineAPI
 
 __all__ = ["REPORT_FILE", "ResponsesError", "evaluate_on_engines", "evaluate_responses", "write_report"]
 
@@ -83,7 +84,7 @@ def build_report(
 def evaluate_on_engines(
     cfg: Config,
     problems: Sequence[Problem],
-    clients: Sequence[Any],
+    clients: Sequence[EngineAPI],
     tokenizer: Any,
     grader: Grader,
     event_loop: asyncio.AbstractEventLoop,

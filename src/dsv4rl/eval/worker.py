@@ -21,8 +21,8 @@ from dsv4rl.faults import heartbeat
 from dsv4rl.faults.child import child_process
 from dsv4rl.model.tiny import load_tokenizer
 from dsv4rl.reward.graders import get_grader
-from dsv4rl.train.loop import rollout_seed
-from dsv4rl.train.worker import engine_clients, freeze_engines_gc, wait_for_engines
+from dsv4rl.rollout.engines import engine_clients, freeze_engines_gc, wait_for_engines
+from dsv4rl.rollout.generate import rollout_seed
 
 log = logging.getLogger("dsv4rl.eval")
 

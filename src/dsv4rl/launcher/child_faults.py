@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv4rl.config.schema import ProcessRole
 from dsv4rl.faults.files import CRASH, HEARTBEAT, LOG_DIR_ENV, PROCESS_ENV, STACKS, fault_file, files_of
 from dsv4rl.faults.heartbeat import Beat, read_beat
 from dsv4rl.faults.stacks import request_dump
@@ -27,7 +28,7 @@ from dsv4rl.launcher.root_cause import RootCause, find_root_cause
 @dataclass(frozen=True)
 class SeenBeat:
     beat: Beat
-    role: str  # the plan's role of its process: "trainer" (watched) or "engine"
+    role: ProcessRole  # trainers are watched for progress; engines are servers
     log_dir: Path
     local: bool  # a live process of this node: it can be asked for its stacks
 
@@ -58,7 +59,7 @@ class ChildFaults:
         """Every heartbeat of this run: this node's from live processes (pids in `alive`), other nodes'."""
         owners = [(spec.name, spec.role, self.log_dir(spec)) for spec in self.specs]
         for log_dir in dict.fromkeys(self.log_dir(spec) for spec in self.specs):
-            owners += [(name, "engine", log_dir) for name in self.remote_engines]
+            owners += [(name, ProcessRole.engine, log_dir) for name in self.remote_engines]
         host = socket.gethostname()
         found = []
         for name, role, log_dir in owners:

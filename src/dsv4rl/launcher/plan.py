@@ -24,17 +24,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsv4rl.config.rules_machine import on_one_machine
-from dsv4rl.config.schema import Config, SyncTransport
+from dsv4rl.config.schema import Config, ProcessRole, RolloutEngineKind, SyncTransport, Task
 from dsv4rl.launcher.engine_python import engine_python
 from dsv4rl.rollout.engine_keys import engine_keys_file, engines_need_keys
-from dsv4rl.sync.sources import sync_transport, weight_sync_sources
-from dsv4rl.topology import WILDCARD, engine_port, engine_port_layout, engines_on_node, topology
+from dsv4rl.topology import (
+    WILDCARD,
+    engine_port,
+    engine_port_layout,
+    engines_on_node,
+    on_one_machine,
+    sync_transport,
+    topology,
+    weight_sync_sources,
+)
 from dsv4rl.topology import url_host as _url_host
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"  # one node; several: config-node<r>.yaml (see config_path)
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WEIGHT_SYNC_TIMEOUT_ENV = "DSV4RL_WEIGHT_SYNC_TIMEOUT_S"  # read by the reference engine and sglang_site
 SGLANG_SITE = Path(__file__).resolve().parents[1] / "engine" / "sglang_site"
 
@@ -47,7 +53,7 @@ class ProcessSpec:
     argv: list[str]
     env: dict[str, str]
     log_path: Path
-    role: str  # "engine" | "trainer"
+    role: ProcessRole
     health_url: str | None = None  # GET until 200 before the trainer starts (engines)
     meta: dict[str, str] = field(default_factory=dict)  # what a plan printout shows (gpus, port, ...)
 
@@ -70,10 +76,6 @@ class PlannedPort:
     what: str
     key: str  # the config key that moves it: engine.port, cluster.master_port, ...
     offset: int = 0  # port = <key> + offset
-
-
-def _value(x: object) -> str:
-    return str(getattr(x, "value", x))
 
 
 def model_dir(cfg: Config) -> Path:
@@ -215,13 +217,13 @@ def sglang_env(cfg: Config, env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def trainer_argv(cfg: Config, run_dir: Path, task: str = "train") -> list[str]:
+def trainer_argv(cfg: Config, run_dir: Path, task: Task = Task.train) -> list[str]:
     """torchrun from this interpreter's environment (`python -m torch.distributed.run`); `dsv4rl eval`
     runs one evaluating process instead (no trainer: the engines serve the recipe's model)."""
-    if task == "eval":
+    if task == Task.eval:
         return [sys.executable, "-m", "dsv4rl.eval.worker", "--config", str(config_path(cfg, run_dir))]
     pt = cfg.parallel.train
-    task_args = [] if task == "train" else ["--task", task]
+    task_args = [] if task == Task.train else ["--task", str(task)]
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", str(pt.nnodes),
@@ -241,7 +243,7 @@ def build_local_plan(
     run_dir: Path,
     base_env: Mapping[str, str] | None = None,
     model_path: str | None = None,
-    task: str = "train",
+    task: Task = Task.train,
 ) -> list[ProcessSpec]:
     """Engines first, then the trainer (`task`: train or align; eval: the evaluating process), which waits
     for the engines itself. SGLang engines also get `quant.engine_env`."""
@@ -252,27 +254,25 @@ def build_local_plan(
         raise ValueError(f"cluster.node_rank={node} is outside 0..{cfg.cluster.nnodes - 1} (cluster.nnodes)")
     model = str(model_path or (run_dir / "model" if cfg.model.path is None else cfg.model.path))
     engines = engines_on_node(cfg, node)
-    evaluating = task == "eval"  # one evaluating process on node 0 in the trainer's place
+    evaluating = task == Task.eval  # one evaluating process on node 0 in the trainer's place
     runs_trainer = node == 0 if evaluating else node in trainer_nodes(cfg)
     nproc = (1 if evaluating else cfg.parallel.train.nproc_per_node) if runs_trainer else 0
     env, trainer_threads_env = _cpu_threads(cfg, _base_env(cfg, base_env), len(engines), nproc)
-    kind = _value(cfg.parallel.rollout.engine)
+    kind = RolloutEngineKind(cfg.parallel.rollout.engine)
     gpe = cfg.parallel.rollout.gpus_per_engine
     specs: list[ProcessSpec] = []
     for local, global_index in enumerate(engines):
         port = engine_port(cfg, local)
         seed = cfg.seed + global_index
         process_env = {**env, WEIGHT_SYNC_TIMEOUT_ENV: f"{cfg.sync.timeout_s:g}"}
-        if kind == "sglang":
+        if kind == RolloutEngineKind.sglang:
             argv = sglang_argv(cfg, model, port, seed, base_gpu_id=local * gpe, run_dir=run_dir)
             process_env = sglang_env(cfg, process_env)
-        elif kind == "reference":
-            argv = reference_engine_argv(cfg, model, port, seed, run_dir)
         else:
-            raise ValueError(f"parallel.rollout.engine={kind!r}: choose reference or sglang")
+            argv = reference_engine_argv(cfg, model, port, seed, run_dir)
         host = "127.0.0.1" if cfg.engine.host in WILDCARD else cfg.engine.host
         name = f"engine-{global_index}"
-        meta = {"port": str(port), "kind": kind, "python": argv[0]}
+        meta = {"port": str(port), "kind": kind.value, "python": argv[0]}
         if cfg.cluster.gpus_per_node:
             meta["gpus"] = f"{local * gpe}..{(local + 1) * gpe - 1}"
         specs.append(
@@ -281,7 +281,7 @@ def build_local_plan(
                 argv=argv + [str(a) for a in cfg.engine.extra_args],
                 env=process_env,
                 log_path=logs / f"{name}.log",
-                role="engine",
+                role=ProcessRole.engine,
                 health_url=f"http://{_url_host(host)}:{port}/health_generate",
                 meta=meta,
             )
@@ -308,7 +308,7 @@ def build_local_plan(
                 argv=trainer_argv(cfg, run_dir, task),
                 env=trainer_env,
                 log_path=logs / trainer_log_name(cfg),
-                role="trainer",
+                role=ProcessRole.trainer,
                 meta=meta,
             )
         )

@@ -20,7 +20,6 @@ from rich.table import Table
 from rich.text import Text
 
 from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.rules_base import data_parallel_size, stage_layers
 from dsv4rl.config.schema import ClusterKind, Config
 from dsv4rl.launcher.engine_python import engine_python
 from dsv4rl.launcher.estimate_view import (
@@ -42,7 +41,7 @@ from dsv4rl.launcher.plan import (
     trainer_nodes,
 )
 from dsv4rl.rollout.engine_keys import ADMIN_KEY_ENV, engine_keys_file, engines_need_keys
-from dsv4rl.sync.sources import sync_transport, weight_sync_sources
+from dsv4rl.topology import data_parallel_size, stage_layers, sync_transport, weight_sync_sources
 
 
 def _node_cfg(cfg: Config, node: int) -> Config:

@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from dsv4rl.config.schema import Config
+from dsv4rl.config.schema import Config, ProcessRole, Task
 from dsv4rl.launcher.marker import DoneMarker
 from dsv4rl.launcher.node_liveness import NodeLiveness
 from dsv4rl.launcher.plan import (
@@ -55,15 +55,15 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
 
 
 def run_training(
-    cfg: Config, *, console: Console | None = None, plan_builder=build_local_plan, task: str = "train"
+    cfg: Config, *, console: Console | None = None, plan_builder=build_local_plan, task: Task = Task.train
 ) -> int:
-    """`dsv4rl train` (and `dsv4rl align`, `task="align"`): check ports, prepare the run dir and model, run
-    the node's processes to the end."""
+    """`dsv4rl train` (`dsv4rl align`, `dsv4rl eval`: their `task`): check ports, prepare the run dir and
+    model, run the node's processes to the end."""
     console = console or Console()
     run_dir = Path(cfg.run.dir).resolve()
     check_ports(cfg)  # before anything is written or started
     remote_engines = remote_engine_health(cfg)  # ConfigError without cluster.node_addrs
-    if task == "train":
+    if task == Task.train:
         check_run_dir(cfg, run_dir)
     if cfg.model.path is None:
         from dsv4rl.model.model_dir import ModelDirMismatch, check_model_dir
@@ -86,7 +86,7 @@ def run_training(
 
         with console.status(f"building the tiny model from its seed (quant={cfg.quant.name.value}) ..."):
             materialize_model(cfg.model, str(run_dir / "model"), cfg.quant)
-            if task == "align":  # the trainer holds the unquantized weights
+            if task == Task.align:  # the trainer holds the unquantized weights
                 materialize_model(cfg.model, str(source_model_dir(run_dir)), QuantConfig())
     specs = plan_builder(cfg, run_dir, task=task)
     node, multi_node = cfg.cluster.node_rank, cfg.cluster.nnodes > 1
@@ -94,7 +94,7 @@ def run_training(
     if multi_node and node == 0:
         marker = DoneMarker(run_dir)
         marker.clear()  # an earlier run's; rollout-only nodes ignore it anyway
-    elif multi_node and not any(s.role == "trainer" for s in specs):
+    elif multi_node and not any(s.role == ProcessRole.trainer for s in specs):
         marker = DoneMarker(run_dir)
     liveness = None
     if multi_node:
@@ -103,14 +103,14 @@ def run_training(
     supervisor = Supervisor(
         specs,
         run_dir,
-        total_steps=cfg.train.steps if task == "train" else 0,
+        total_steps=cfg.train.steps if task == Task.train else 0,
         console=console,
-        live=cfg.run.progress and sys.stdout.isatty() and node == 0 and task == "train",
+        live=cfg.run.progress and sys.stdout.isatty() and node == 0 and task == Task.train,
         startup_timeout_s=cfg.engine.startup_timeout_s,
         step_timeout_s=cfg.run.step_timeout_s,
         remote_engines=remote_engines,
         done_marker=marker,
-        show_progress=node == 0 and task == "train",  # nodes share one log under srun: one display
+        show_progress=node == 0 and task == Task.train,  # nodes share one log under srun: one display
         liveness=liveness,
         log_every=cfg.train.log_every,
     )

@@ -38,6 +38,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.text import Text
 
+from dsv4rl.config.schema import ProcessRole
 from dsv4rl.launcher.child_faults import ChildFaults
 from dsv4rl.launcher.marker import FINISHED, DoneMarker
 from dsv4rl.launcher.node_liveness import NodeLiveness
@@ -189,8 +190,8 @@ class Supervisor:
         if self.step_timeout_s <= 0:
             return False
         seen = self.faults.heartbeats(set(self.tracker.alive(table)))
-        watched = [item.beat for item in seen if item.role == "trainer"]
-        servers = [item.beat for item in seen if item.role != "trainer"]
+        watched = [item.beat for item in seen if item.role == ProcessRole.trainer]
+        servers = [item.beat for item in seen if item.role != ProcessRole.trainer]
         now = time.time()
         self.hang = find_hang(watched, servers, self.step_timeout_s, now)
         if self.hang is None:
@@ -374,11 +375,11 @@ class Supervisor:
         return False
 
     def _trainer_specs(self) -> list[ProcessSpec]:
-        return [s for s in self.specs if s.role == "trainer"]
+        return [s for s in self.specs if s.role == ProcessRole.trainer]
 
     def _run(self) -> int:
         self.faults.clear()  # an earlier run's heartbeats and crash reports in this run dir
-        engines = [self._start(s) for s in self.specs if s.role == "engine"]
+        engines = [self._start(s) for s in self.specs if s.role == ProcessRole.engine]
         targets = [HealthTarget(c.name, c.spec.health_url, c) for c in engines if c.spec.health_url]
         remote = (
             [HealthTarget(name, url) for name, url in self.remote_engines] if self._trainer_specs() else []
@@ -415,7 +416,7 @@ class Supervisor:
             return self._exit_code(code)
         if not early:
             self._start_others()
-        trainers = [c for c in self.children if c.spec.role == "trainer"]
+        trainers = [c for c in self.children if c.spec.role == ProcessRole.trainer]
         watch = self.done_marker if not trainers else None
         if watch is not None:
             self._print(Text(f"serving rollouts until {watch.path} appears", style="dim"))
@@ -433,11 +434,11 @@ class Supervisor:
                     return 1
             self._poll_metrics()
             exited = [(c, c.proc.poll()) for c in self.children if c.proc.poll() is not None]
-            failed = [(c, code) for c, code in exited if code != 0 or c.spec.role != "trainer"]
+            failed = [(c, code) for c, code in exited if code != 0 or c.spec.role != ProcessRole.trainer]
             if failed:
                 for child, code in failed:
                     self._report_failure(child, describe_exit(code) + (" unexpectedly" if code == 0 else ""))
-                if any(child.spec.role == "trainer" for child, _ in failed):
+                if any(child.spec.role == ProcessRole.trainer for child, _ in failed):
                     self._explain_by_peers()
                 if watch is not None:
                     self._print(
@@ -459,11 +460,12 @@ class Supervisor:
 
     def _start_others(self) -> None:
         for spec in self.specs:
-            if spec.role != "engine":
+            if spec.role != ProcessRole.engine:
                 self._start(spec)
 
     def _trainer_failed(self) -> bool:
-        return any(c.spec.role == "trainer" and c.proc.poll() not in (None, 0) for c in self.children)
+        trainers = (c for c in self.children if c.spec.role == ProcessRole.trainer)
+        return any(c.proc.poll() not in (None, 0) for c in trainers)
 
     def _node_lost(self, stopped_only: bool = False) -> bool:
         """Beat this node's heartbeat; True (the message kept) once a node this one depends on is lost."""

@@ -79,6 +79,7 @@ def materialize_model(model_config: ModelConfig, directory: str, quant: QuantCon
         from dsv4rl.model.tiny import write_tiny_model
 
         write_tiny_model(model_config, partial, quant)
+        (partial / MANIFEST_FILE).write_text(manifest(model_config, quant))
         if entry is not None:
             _store(partial, entry)
     try:

@@ -3,7 +3,7 @@
 A native checkpoint directory holds
 - safetensors with the release's tensor names (`embed.weight`, `layers.N.attn.wq_a.weight`,
   `layers.N.ffn.experts.E.w1.weight`, ...), dtypes and shapes, quantized tensors followed by their
-  `.scale` (see `dsv4rl.quant.formats` for which tensor gets which format);
+  `.scale` (see `dsv4rl.model.wire_format` for which tensor gets which format);
 - `config.json`, the transformers config, with the release's `quantization_config` when quantized
   (`{"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
   "activation_scheme": "dynamic"}`; the release does not say how experts are stored, loaders read the
@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from dsv4rl.config.schema import QuantMode
+from dsv4rl.config.schema import Dtype, QuantMode
 from dsv4rl.model.naming import (
     CheckpointKind,
     checkpoint_kind,
@@ -34,7 +34,8 @@ from dsv4rl.model.naming import (
     state_dict_to_native,
 )
 from dsv4rl.model.sinkhorn import use_fast_sinkhorn
-from dsv4rl.quant.formats import WireFormat, dequantize
+from dsv4rl.model.wire_format import WireFormat
+from dsv4rl.quant.formats import dequantize
 from dsv4rl.quant.fp8 import DEFAULT_BLOCK, E4M3
 from dsv4rl.quant.scales import E8M0
 from dsv4rl.quant.sglang_env import FP8, MXFP4, UNQUANTIZED
@@ -45,6 +46,7 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 ARCHITECTURE = "DeepseekV4ForCausalLM"
+TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.bfloat16: torch.bfloat16}  # model.dtype
 _SAFETENSORS_DTYPES = {
     "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": E4M3, "F8_E8M0": E8M0,
     "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,

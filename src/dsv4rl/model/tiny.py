@@ -15,22 +15,15 @@ from transformers.utils import logging as transformers_logging
 from dsv4rl.config.schema import (
     LAYER_TYPES,
     MLP_TYPES,
+    Dtype,
     ExpertScaleDtype,
     ModelConfig,
     QuantConfig,
     TinyModelConfig,
 )
-from dsv4rl.model.model_dir import (  # noqa: F401  (the model-dir helpers' old home)
-    MANIFEST_FILE,
-    ModelDirMismatch,
-    check_model_dir,
-    manifest,
-    materialize_model,
-    source_model_dir,
-)
-from dsv4rl.model.native_checkpoint import load_native_model, write_native_checkpoint
+from dsv4rl.model.native_checkpoint import TORCH_DTYPES, load_native_model, write_native_checkpoint
 from dsv4rl.model.tokenizer import build_char_tokenizer
-from dsv4rl.quant.formats import WireFormat
+from dsv4rl.model.wire_format import WireFormat
 
 
 def tiny_hf_config(tiny: TinyModelConfig, vocab_size: int) -> DeepseekV4Config:
@@ -119,8 +112,7 @@ def load_model(model_config: ModelConfig, vocab_size: int | None = None) -> Deep
         if vocab_size is None:
             vocab_size = len(load_tokenizer(model_config))
         return build_tiny_model(model_config, vocab_size)
-    dtype = torch.float32 if model_config.dtype.value == "float32" else torch.bfloat16
-    return load_native_model(model_config.path, dtype)
+    return load_native_model(model_config.path, TORCH_DTYPES[Dtype(model_config.dtype)])
 
 
 def checkpoint_wire_format(quant: QuantConfig) -> WireFormat:
@@ -130,11 +122,10 @@ def checkpoint_wire_format(quant: QuantConfig) -> WireFormat:
 
 
 def write_tiny_model(model_config: ModelConfig, directory: Path, quant: QuantConfig) -> None:
-    """Build the tiny model from its seed into `directory`: a native checkpoint in `quant`'s format, the
-    tokenizer, and the manifest of the settings it was built from (`dsv4rl.model.model_dir`)."""
+    """Build the tiny model from its seed into `directory`: a native checkpoint in `quant`'s format and
+    the tokenizer (`dsv4rl.model.model_dir` adds the manifest of the settings it was built from)."""
     tokenizer = load_tokenizer(model_config)
     model = load_model(model_config, vocab_size=len(tokenizer))
     transformers_logging.disable_progress_bar()  # the supervisor's own display is on screen
     write_native_checkpoint(model, directory, checkpoint_wire_format(quant))
     tokenizer.save_pretrained(directory)
-    (directory / MANIFEST_FILE).write_text(manifest(model_config, quant))

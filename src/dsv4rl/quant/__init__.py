@@ -1,4 +1,5 @@
-"""Weight formats of DeepSeek-V4 checkpoints and engines: FP8 blocks, MXFP4 experts, who gets which.
+"""Number formats of DeepSeek-V4 weights: FP8 blocks, MXFP4 experts, their scales, and SGLang's rules.
 
-Pure tensor functions (`fp8`, `mxfp4`, `scales`) and the per-mode wire format (`formats`); no I/O.
+Pure tensor functions (`fp8`, `mxfp4`, `scales`, `formats.dequantize`) and SGLang's environment rules
+(`sglang_env`); no I/O. Which checkpoint tensor gets which format is `dsv4rl.model.wire_format`'s.
 """

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from dsv4rl.config.schema import Config
+
 FP4_EXPERTS = "SGLANG_DSV4_FP4_EXPERTS"
 FP4_DEQUANT = "SGLANG_DSV4_FP4_DEQUANT"
 FP8_WO_A_GEMM = "SGLANG_OPT_FP8_WO_A_GEMM"
@@ -79,6 +81,14 @@ def expert_scale_dtype(env: Mapping[str, str], held_experts: str) -> str:
     if held_experts == MXFP4 and env_flag(env, USE_AITER, False):
         return "float8_e8m0fnu"
     return "float32"
+
+
+def engine_env(cfg: Config) -> dict[str, str]:
+    """comm.env with quant.engine_env over it: what an SGLang engine of this recipe reads."""
+    return {
+        **{str(k): str(v) for k, v in cfg.comm.env.items()},
+        **{str(k): str(v) for k, v in cfg.quant.engine_env.items()},
+    }
 
 
 def env_problems(quant: str, env: Mapping[str, str]) -> list[str]:

@@ -378,7 +378,7 @@ class EngineClient:
         flush_cache: bool = False,
         weight_version: str | None = None,
     ) -> dict:
-        """One base64 pickle of tensor handles per tensor-parallel rank (`dsv4rl.sync.tensor_payload`);
+        """One base64 pickle of tensor handles per tensor-parallel rank (`dsv4rl.wire.tensor_payload`);
         returns once the server loaded them (so the caller keeps the tensors alive until then)."""
         if not serialized_named_tensors or not all(isinstance(s, str) for s in serialized_named_tensors):
             raise ValueError("serialized_named_tensors must be one base64 string per tensor-parallel rank")

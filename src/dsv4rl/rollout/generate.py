@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 from dsv4rl.config.schema import SamplingConfig
 from dsv4rl.data.problems import Problem
-from dsv4rl.engine.sampling import mix_seed
-from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.types import Sample
+from dsv4rl.wire.engine_api import EngineAPI
+from dsv4rl.wire.seed import mix_seed
 
 
 def sampling_params(sampling: SamplingConfig, stop_token_ids: list[int], n: int, seed: int | None) -> dict:
@@ -25,6 +25,12 @@ def sampling_params(sampling: SamplingConfig, stop_token_ids: list[int], n: int,
     if seed is not None:
         params["sampling_seed"] = seed
     return params
+
+
+def rollout_seed(seed: int, step: int, attempt: int = 0) -> int:
+    """The seed of a step's rollouts (engine.reproducible_sampling): a resumed run samples what the
+    uninterrupted run sampled."""
+    return (seed * 1_000_003 + step * 7_919 + attempt * 104_729) % (2**31 - 1)
 
 
 def sample_seed(step_seed: int, prompt_index: int, sample_index: int) -> int:
@@ -70,7 +76,7 @@ def _to_sample(group: int, prompt_ids: list[int], output: dict, answer: str) -> 
 
 
 async def generate_samples(
-    clients: Sequence[EngineClient],
+    clients: Sequence[EngineAPI],
     problems: Sequence[Problem],
     tokenizer,
     group_size: int,

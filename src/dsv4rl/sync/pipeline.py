@@ -17,8 +17,9 @@ from collections.abc import Iterable, Iterator
 from torch.distributed.tensor import DTensor
 
 from dsv4rl.model.naming import UnknownTensorName, hf_to_native
-from dsv4rl.quant.formats import WireFormat
-from dsv4rl.sync.buckets import NamedTensor, iter_buckets
+from dsv4rl.model.wire_format import WireFormat
+from dsv4rl.sync.buckets import iter_buckets
+from dsv4rl.wire.layout import NamedTensor
 
 __all__ = ["encode", "native_names", "wire_buckets"]
 
@@ -29,7 +30,7 @@ def native_names(named_weights: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
         if isinstance(tensor, DTensor):
             raise ValueError(
                 f"{name} is a sharded DTensor: pass full tensors, gathered on every rank first "
-                "(FSDPTrainEngine.named_weights_for_sync)"
+                "(TrainerBackend.named_weights_for_sync)"
             )
         try:
             yield from list(hf_to_native(name, tensor))

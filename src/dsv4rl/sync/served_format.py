@@ -20,11 +20,13 @@ import torch
 
 from dsv4rl.config.schema import ExpertScaleDtype, QuantConfig, QuantMode, RolloutEngineKind
 from dsv4rl.model.native_checkpoint import CheckpointError, CheckpointFormat, checkpoint_format
+from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.quant import sglang_env
-from dsv4rl.quant.formats import QUANTIZED_MODES, WireFormat
+from dsv4rl.quant.formats import QUANTIZED_MODES
 from dsv4rl.quant.fp8 import E4M3
 from dsv4rl.quant.scales import E8M0
-from dsv4rl.sync.transport import WeightSyncError, engine_name
+from dsv4rl.sync.errors import WeightSyncError, engine_name
+from dsv4rl.wire.engine_api import EngineAPI
 
 __all__ = ["ServedFormat", "check_served_formats", "served_format", "wire_format_for"]
 
@@ -115,7 +117,7 @@ def _engine_checkpoint(info: Any, fallback: str) -> tuple[str, CheckpointFormat]
 
 
 def check_served_formats(
-    clients: Sequence[Any],
+    clients: Sequence[EngineAPI],
     quant: QuantConfig,
     engine: RolloutEngineKind,
     env: Mapping[str, str],

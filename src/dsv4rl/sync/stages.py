@@ -3,7 +3,7 @@
 Every trainer rank holds a `StagedWeightSync` and calls it collectively. Rank 0 talks to the engines
 around the transfer (pause, open the session; then close it, flush, set the version, continue) and
 sends stage 0; the source rank of every other stage sends its own stage over its own group at the same
-time (`dsv4rl.sync.sources`); the other ranks only take part in gathering their stage's shards.
+time (`dsv4rl.topology`); the other ranks only take part in gathering their stage's shards.
 
 The stages gather, rename and quantize side by side, but their buckets reach the engines one at a time:
 an engine handles one update request at a time, so two senders whose buckets reached two engines in
@@ -28,10 +28,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dsv4rl.quant.formats import WireFormat
-from dsv4rl.sync.buckets import NamedTensor
-from dsv4rl.sync.sources import SyncSource
+from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.sync.weight_sync import SyncStats, WeightSync, WeightSyncError
+from dsv4rl.topology import SyncSource
+from dsv4rl.wire.layout import NamedTensor
 
 __all__ = ["StagedWeightSync", "StoreLock", "merge_stats"]
 

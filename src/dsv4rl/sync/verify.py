@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from dsv4rl.config.schema import QuantMode, SyncVerifyConfig
-from dsv4rl.sync.transport import WeightSyncError, engine_name
+from dsv4rl.sync.errors import WeightSyncError, engine_name
+from dsv4rl.wire.engine_api import EngineAPI
 
 __all__ = [
     "PROBE_BOUNDS",
@@ -96,7 +97,7 @@ class SyncVerifier:
 
     def __init__(
         self,
-        clients: Sequence[Any],
+        clients: Sequence[EngineAPI],
         cfg: SyncVerifyConfig,
         quant: QuantMode,
         event_loop: asyncio.AbstractEventLoop,

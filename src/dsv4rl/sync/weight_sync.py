@@ -3,8 +3,8 @@
 Protocol (SGLang 0.5.23's `/update_weights_from_distributed`): the trainer is rank 0 of a custom process
 group; engine i joins at `rank_offset = 1 + ranks of engines before it`. A push opens a weight-update
 session, streams the weights through the pipeline (`dsv4rl.sync.pipeline`: native names -> wire format
--> buckets) into the transport (`dsv4rl.sync.transport`: each bucket's request POSTed to every engine
-while the tensors are broadcast) and closes the session: `2 + buckets` requests per engine. The last
+-> buckets) into the transport (`dsv4rl.sync.transports.broadcast`: each bucket's request POSTed to every
+engine while the tensors are broadcast) and closes the session: `2 + buckets` requests per engine. The last
 bucket carries the weight version and flushes the prefix cache (SGLang 0.5.23 sets both from the bucket
 request: no `/flush_cache` or `/update_weight_version` call is needed). Pausing generation around the
 push (`pause=True`) is for when requests may be in flight (asynchronous rollouts); the synchronous loop
@@ -17,7 +17,7 @@ group (its own name and port) with every engine and only `send`s; rank 0 wraps a
 `begin_update` / `finish_update`.
 
 Colocated engines (`transport=SyncTransport.tensor`) take the same buckets by handle instead
-(`dsv4rl.sync.tensor_transport`, SGLang's `/update_weights_from_tensor`): no group, no port, the same
+(`dsv4rl.sync.transports.tensor`, SGLang's `/update_weights_from_tensor`): no group, no port, the same
 session around them.
 
 Failures never hang for long; when a transfer fails the group is marked broken: `close()` then
@@ -38,19 +38,17 @@ from typing import Any
 import torch
 
 from dsv4rl.config.schema import SyncLoadFormat, SyncTransport
-from dsv4rl.quant.formats import WireFormat
-from dsv4rl.sync.buckets import FLATTENED_BUCKET, NamedTensor, sort_for_flattening
-from dsv4rl.sync.checksum import checksums
+from dsv4rl.model.wire_format import WireFormat
+from dsv4rl.sync.errors import WeightSyncError, engine_name
 from dsv4rl.sync.loop_thread import LoopThread
 from dsv4rl.sync.pipeline import wire_buckets
-from dsv4rl.sync.process_group import (
-    BACKENDS,
-    destroy_custom_process_group,
-    format_init_method,
-    init_custom_process_group,
-)
-from dsv4rl.sync.tensor_transport import TensorTransport
-from dsv4rl.sync.transport import BroadcastTransport, WeightSyncError, engine_name, post_error
+from dsv4rl.sync.transports.base import Transport
+from dsv4rl.sync.transports.broadcast import BroadcastTransport
+from dsv4rl.sync.transports.tensor import TensorTransport
+from dsv4rl.wire.checksum import checksums
+from dsv4rl.wire.engine_api import EngineAPI
+from dsv4rl.wire.layout import FLATTENED_BUCKET, NamedTensor, sort_for_flattening
+from dsv4rl.wire.process_group import BACKENDS
 
 __all__ = ["SyncStats", "WeightSync", "WeightSyncError"]
 
@@ -91,8 +89,8 @@ class WeightSync:
     """Pushes trainer weights to SGLang-protocol engines over a broadcast group (trainer = rank 0), or to
     colocated engines by tensor handles.
 
-    `clients` are `EngineClient`s (or anything with the same async methods). `engine_ranks[i]` is engine
-    i's TP size, the ranks it adds to the group (1 for the reference engine). `load_format`
+    `clients` are `EngineClient`s (or anything else with `EngineAPI`'s async methods). `engine_ranks[i]`
+    is engine i's TP size, the ranks it adds to the group (1 for the reference engine). `load_format`
     (a `SyncLoadFormat`: one broadcast per tensor, or one per bucket) defaults to `sync.load_format`.
     `wire_format` converts native tensors to what the engines hold (None: sent as they are); the trainer
     sets it once it knows what the engines serve.
@@ -104,7 +102,7 @@ class WeightSync:
 
     def __init__(
         self,
-        clients: Sequence[Any],
+        clients: Sequence[EngineAPI],
         sync_cfg: Any,
         backend: str,
         master_address: str,
@@ -159,8 +157,7 @@ class WeightSync:
         # (dsv4rl.sync.stages): an engine takes one request at a time, so two buckets in flight to two
         # engines in opposite orders would deadlock the broadcasts.
         self.bucket_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
-        self._pg: Any = None
-        self.transport: BroadcastTransport | TensorTransport | None = None
+        self.transport: Transport | None = None
         self._broken: str | None = None
         self._http: LoopThread | None = None
         self._lock = threading.Lock()
@@ -197,89 +194,37 @@ class WeightSync:
 
     # ------------------------------------------------------------------------------------------ connect
     def connect(self) -> None:
-        """Create the group: every engine joins from its POST while this process joins as rank 0
-        (`tensor`: nothing to join, the transport only needs the engines' HTTP)."""
+        """Build the transport of `transport_kind` and connect it: join the broadcast group (every engine
+        joins from its POST while this process joins as rank 0), or nothing for tensor handles."""
         with self._lock:
             if self.transport is not None:
                 raise WeightSyncError("already connected; call close() before connect()")
-            loop = self._loop()
-            if self.transport_kind == SyncTransport.tensor:
-                self.transport = TensorTransport(
-                    self.clients,
-                    loop,
-                    device=self.device,
-                    timeout_s=self.cfg.timeout_s,
-                    load_format=self.load_format,
-                    engine_ranks=self.engine_ranks,
-                )
-                self._broken = None
-                log.info("weights go to %d colocated engine(s) by tensor handles", len(self.clients))
-                return
-            posts, offset = [], 1
-            for client, ranks in zip(self.clients, self.engine_ranks, strict=True):
-                coro = client.init_weights_update_group(
-                    self.master_address,
-                    self.master_port,
-                    offset,
-                    self.world_size,
-                    self.group_name,
-                    self.backend,
-                )
-                posts.append((client, loop.submit(coro)))
-                offset += ranks
-            joined: dict[str, Any] = {}
+            transport = self._build_transport()
+            transport.connect()
+            self.transport, self._broken = transport, None
 
-            def join() -> None:
-                try:
-                    joined["pg"] = init_custom_process_group(
-                        self.backend,
-                        format_init_method(self.master_address, self.master_port),
-                        world_size=self.world_size,
-                        rank=0,
-                        group_name=self.group_name,
-                        timeout=self.cfg.timeout_s,
-                    )
-                except BaseException as exc:  # reported by the waiting thread
-                    joined["error"] = exc
-
-            thread = threading.Thread(target=join, name="dsv4rl-weight-sync-join", daemon=True)
-            thread.start()
-            deadline = time.monotonic() + self.cfg.timeout_s + 10
-            where = f"{self.master_address}:{self.master_port} (group {self.group_name!r}, {self.backend})"
-            while True:
-                for client, future in posts:
-                    if future.done() and future.exception() is not None:
-                        raise WeightSyncError(
-                            f"engine {engine_name(client)} could not join the weight-update group at "
-                            f"{where}: {future.exception()}. The trainer's half-built group is abandoned "
-                            f"(it times out after sync.timeout_s={self.cfg.timeout_s:g} s)."
-                        )
-                if "error" in joined:
-                    error = joined["error"]
-                    raise WeightSyncError(
-                        f"the trainer could not create the weight-update group at {where}: {error!r}"
-                    )
-                if not thread.is_alive() and all(f.done() for _, f in posts):
-                    break
-                if time.monotonic() > deadline:
-                    waiting = [engine_name(c) for c, f in posts if not f.done()]
-                    raise WeightSyncError(
-                        f"timed out joining the weight-update group at {where}; "
-                        f"still waiting for: {waiting or ['the trainer rendezvous']}"
-                    )
-                time.sleep(0.01)
-            self._pg, self._broken = joined["pg"], None
-            self.transport = BroadcastTransport(
+    def _build_transport(self) -> Transport:
+        if self.transport_kind == SyncTransport.tensor:
+            return TensorTransport(
                 self.clients,
-                self._pg,
-                loop,
-                group_name=self.group_name,
-                backend=self.backend,
+                self._loop(),
                 device=self.device,
                 timeout_s=self.cfg.timeout_s,
                 load_format=self.load_format,
+                engine_ranks=self.engine_ranks,
             )
-            log.info("weight-update group %s ready: world_size=%d", where, self.world_size)
+        return BroadcastTransport(
+            self.clients,
+            self._loop(),
+            group_name=self.group_name,
+            backend=self.backend,
+            master_address=self.master_address,
+            master_port=self.master_port,
+            engine_ranks=self.engine_ranks,
+            device=self.device,
+            timeout_s=self.cfg.timeout_s,
+            load_format=self.load_format,
+        )
 
     # ------------------------------------------------------------------------------------------ push
     def push(
@@ -320,7 +265,7 @@ class WeightSync:
             loop = self._loop()
             return [(client, loop.submit(self._open_engine_session(client))) for client in self.clients]
 
-    async def _open_engine_session(self, client: Any) -> Any:
+    async def _open_engine_session(self, client: EngineAPI) -> Any:
         if self.pause:
             await client.pause_generation(mode=self.cfg.pause_mode)
         return await client.begin_weight_update()
@@ -426,27 +371,15 @@ class WeightSync:
 
     # ------------------------------------------------------------------------------------------ close
     def close(self) -> None:
-        """Destroy the group on the engines and here, and stop the HTTP thread; safe to call twice."""
+        """Close the transport (the broadcast group on the engines and here), and stop the HTTP thread;
+        safe to call twice."""
         with self._lock:
-            errors = []
-            if self._pg is not None:
-                loop = self._loop()
-                posts = [
-                    (c, loop.submit(c.destroy_weights_update_group(self.group_name))) for c in self.clients
-                ]
-                pg, self._pg, self._broken, self.transport = self._pg, None, None, None
-                try:
-                    destroy_custom_process_group(pg)
-                except Exception as exc:
-                    errors.append(f"trainer: {exc!r}")
-                cf.wait([f for _, f in posts], timeout=30)
-                errors += [post_error(c, f) for c, f in posts if not f.done() or f.exception() is not None]
-            self.transport, self._broken = None, None
+            transport, self.transport, self._broken = self.transport, None, None
+            if transport is not None:
+                transport.close()
             if self._http is not None:
                 http, self._http = self._http, None
                 http.stop([c.aclose() for c in self.clients if hasattr(c, "aclose")])
-            if errors:
-                log.warning("closing the weight-update group: %s", "; ".join(errors))
 
     def __enter__(self) -> WeightSync:
         self.connect()

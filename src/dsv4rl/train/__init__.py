@@ -1,1 +1,1 @@
-"""Training side: batches, the FSDP train engine, checkpoints, the training loop."""
+"""Training side: the RL loop, the update loop and its trainer backends (fsdp, megatron), checkpoints."""

@@ -22,10 +22,11 @@ from dsv4rl.algo.mismatch import abs_diff_summary
 from dsv4rl.config.schema import Config
 from dsv4rl.data.datasets import problem_source
 from dsv4rl.data.stream import PromptStream
-from dsv4rl.rollout.generate import generate_samples
+from dsv4rl.rollout.generate import generate_samples, rollout_seed
 from dsv4rl.sync.stages import StagedWeightSync
+from dsv4rl.train.backend import TrainerBackend
 from dsv4rl.train.batch import TrainBatch
-from dsv4rl.train.loop import Driver, TrainEngine, rollout_seed
+from dsv4rl.train.loop import Driver
 
 log = logging.getLogger("dsv4rl.align")
 REPORT_FILE = "align.json"
@@ -61,10 +62,10 @@ def worst_tokens(
 
 
 def run_align(
-    cfg: Config, engine: TrainEngine, driver: Driver | None, weight_sync: StagedWeightSync, run_dir: Path
+    cfg: Config, backend: TrainerBackend, driver: Driver | None, weight_sync: StagedWeightSync, run_dir: Path
 ) -> dict | None:
     """Collective (every rank recomputes the log-probs); rank 0 returns and writes the report."""
-    named = engine.named_weights_for_sync(by_stage=weight_sync.by_stage)
+    named = backend.named_weights_for_sync(by_stage=weight_sync.by_stage)
     stats = weight_sync.push(named, version="align", record_checksums=cfg.sync.verify.checksum)
     if driver is not None and cfg.sync.verify.checksum:
         driver.verifier.check_checksums(stats.checksums, 0)
@@ -90,7 +91,7 @@ def run_align(
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     batch: TrainBatch = box[0]
-    trainer = engine.compute_logprobs(batch.input_ids, temperature=sampling.temperature).float().cpu()
+    trainer = backend.compute_logprobs(batch.input_ids, temperature=sampling.temperature).float().cpu()
     if driver is None:
         return None
     report = {

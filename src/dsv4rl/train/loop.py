@@ -3,7 +3,7 @@
 Every training rank runs `RLLoop.run`; rank 0 also drives the engines (rollout and weight sync)
 and writes metrics. The other ranks receive each step's batch from rank 0 and train on their
 shard; with pipeline stages, each stage's source rank sends its own stage's weights. Nothing here
-knows which train engine or which rollout engine is behind the seams.
+knows which trainer backend or which rollout engine is behind the seams.
 
 Colocated (`parallel.colocate`), the engines' memory moves around training (`dsv4rl.rollout.colocated`):
 rollout -> release -> train -> resume weights -> push by tensor handles -> resume KV cache -> next step.
@@ -19,7 +19,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -35,11 +34,12 @@ from dsv4rl.metrics import MetricsWriter, StepTimer
 from dsv4rl.reward.graders import Grader, grade_batch
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.colocated import KV_AND_GRAPHS, ColocatedEngines
-from dsv4rl.rollout.generate import generate_samples
+from dsv4rl.rollout.generate import generate_samples, rollout_seed
 from dsv4rl.rollout.types import Sample
 from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.sync.verify import SyncVerifier
 from dsv4rl.sync.weight_sync import SyncStats
+from dsv4rl.train.backend import TrainerBackend
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.checkpoint import checkpoint_dir, latest_checkpoint
 from dsv4rl.train.rollout_ahead import RolloutAhead, overlap_seconds, staleness
@@ -60,37 +60,6 @@ class Driver:
     verifier: SyncVerifier
     evaluator: PeriodicEval | None = None  # the recipe's eval set every eval.every_steps steps
     colocated: ColocatedEngines | None = None  # parallel.colocate: the engines' memory around training
-
-
-class TrainEngine(Protocol):
-    """The seam to the training backend (`fsdp`, `megatron`). All methods are collective.
-
-    A rank trains on its data-parallel replica's share of each batch: `data_parallel_rank` of
-    `data_parallel_size` (FSDP: every rank is a replica; Megatron: the TP/PP ranks of one replica
-    share it). `hf_config` is the transformers config of the model being trained.
-    `weight_source_ranks` are the global ranks that send the weights, one per pipeline stage; with
-    `by_stage` each of them yields its own stage from `named_weights_for_sync`, else rank 0 yields all."""
-
-    data_parallel_rank: int
-    data_parallel_size: int
-    hf_config: Any
-    weight_source_ranks: Sequence[int]
-
-    def train_step(self, batch: TrainBatch, temperature: float | None = None) -> dict[str, float]: ...
-
-    def compute_logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor: ...
-
-    def named_weights_for_sync(self, by_stage: bool = False) -> Iterator[tuple[str, torch.Tensor]]: ...
-
-    def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> Path: ...
-
-    def load_checkpoint(self, directory: str) -> dict[str, Any]: ...
-
-
-def rollout_seed(seed: int, step: int, attempt: int = 0) -> int:
-    """The seed of a step's rollouts (engine.reproducible_sampling): a resumed run samples what the
-    uninterrupted run sampled."""
-    return (seed * 1_000_003 + step * 7_919 + attempt * 104_729) % (2**31 - 1)
 
 
 def shape_rewards(cfg: Config, samples: list[Sample], rewards: list[float]) -> torch.Tensor:
@@ -126,14 +95,14 @@ class RLLoop:
     def __init__(
         self,
         cfg: Config,
-        engine: TrainEngine,
+        backend: TrainerBackend,
         run_dir: Path,
         driver: Driver | None,
         weight_sync: StagedWeightSync,
         probe: torch.Tensor | None = None,
     ) -> None:
         self.cfg = cfg
-        self.engine = engine
+        self.backend = backend
         self.run_dir = run_dir
         self.driver = driver
         self.weight_sync = weight_sync
@@ -163,7 +132,7 @@ class RLLoop:
                 )
             return 0
         heartbeat.enter("resume")
-        extra = self.engine.load_checkpoint(str(checkpoint))  # also restores each rank's RNG states
+        extra = self.backend.load_checkpoint(str(checkpoint))  # also restores each rank's RNG states
         if self.driver is not None:
             self.driver.stream.load_state_dict(extra["data"])
         if self.ahead is not None and extra.get("pending_rollout") is not None:
@@ -212,10 +181,10 @@ class RLLoop:
         batch = self.share_batch(batch)
         train_start = time.monotonic()
         with self.phase(timer, "train", step):
-            train_metrics = self.engine.train_step(
+            train_metrics = self.backend.train_step(
                 batch.shard(
-                    self.engine.data_parallel_rank,
-                    self.engine.data_parallel_size,
+                    self.backend.data_parallel_rank,
+                    self.backend.data_parallel_size,
                     num_mini_batches=self.cfg.algo.updates_per_step,
                 ),
                 temperature=self.cfg.algo.sampling.temperature,
@@ -331,7 +300,7 @@ class RLLoop:
         """Whole groups only, and a count every data-parallel rank can take an equal share of."""
         group_size = self.cfg.algo.group_size
         groups = len(samples) // group_size
-        while groups > 0 and (groups * group_size) % self.engine.data_parallel_size:
+        while groups > 0 and (groups * group_size) % self.backend.data_parallel_size:
             groups -= 1
         if groups == 0:
             raise RuntimeError(
@@ -366,7 +335,7 @@ class RLLoop:
         colocated = self.driver.colocated if self.driver is not None else None
         if colocated is not None:  # room for the update first; the KV cache once the push is done
             colocated.resume([MemoryTag.weights])
-        named = self.engine.named_weights_for_sync(by_stage=self.weight_sync.by_stage)
+        named = self.backend.named_weights_for_sync(by_stage=self.weight_sync.by_stage)
         stats = self.weight_sync.push(named, version=str(version), record_checksums=due and verify.checksum)
         if colocated is not None:
             colocated.resume(KV_AND_GRAPHS)
@@ -380,16 +349,16 @@ class RLLoop:
         if due and verify.checksum and self.driver is not None:
             metrics.update(self.driver.verifier.check_checksums(stats.checksums, version))
         if due and self.probe is not None:
-            trainer_logprobs = self.engine.compute_logprobs(self.probe, temperature=1.0)
+            trainer_logprobs = self.backend.compute_logprobs(self.probe, temperature=1.0)
             if self.driver is not None:
                 metrics.update(self.driver.verifier.check_probe(self.probe, trainer_logprobs, version))
         return metrics
 
     # ------------------------------------------------------------- checkpoint
     def save_checkpoint(self, step: int) -> None:
-        """Model, optimizer, RNG states (saved by the engine) plus the step and the data cursor."""
+        """Model, optimizer, RNG states (saved by the backend) plus the step and the data cursor."""
         heartbeat.enter("checkpoint", step)
         extra = {"step": step, "data": self.driver.stream.state_dict() if self.driver is not None else None}
         if self.ahead is not None:  # the next step's batch, generated before this checkpoint
             extra["pending_rollout"] = self.ahead.pending
-        self.engine.save_checkpoint(str(checkpoint_dir(self.checkpoint_root, step)), extra)
+        self.backend.save_checkpoint(str(checkpoint_dir(self.checkpoint_root, step)), extra)

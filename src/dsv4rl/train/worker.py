@@ -1,6 +1,6 @@
 """The training rank: `torchrun ... -m dsv4rl.train.worker --config RUN_DIR/config.yaml [--task align]`.
 
-Sets up the process group, the train engine, (on rank 0) the engines' clients, the data and the
+Sets up the process group, the trainer backend, (on rank 0) the engines' clients, the data and the
 grader, and the weight sync (on every pipeline stage's source rank a sender, with the wire format of
 what the engines serve), then hands over to
 `RLLoop` (`--task train`) or to `run_align` (`--task align`).
@@ -15,8 +15,6 @@ import logging
 import os
 import random
 import sys
-import time
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,26 +24,26 @@ import torch.distributed as dist
 import transformers
 
 from dsv4rl.config.compose import load_config_file
-from dsv4rl.config.rules_quant import engine_env
-from dsv4rl.config.schema import Config
+from dsv4rl.config.schema import Config, RolloutEngineKind, Task
 from dsv4rl.data.stream import build_prompt_stream
 from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.faults.child import child_process
-from dsv4rl.model.tiny import load_tokenizer, source_model_dir
-from dsv4rl.quant.formats import WireFormat
+from dsv4rl.model.model_dir import source_model_dir
+from dsv4rl.model.tiny import load_tokenizer
+from dsv4rl.model.wire_format import WireFormat
+from dsv4rl.quant.sglang_env import engine_env
 from dsv4rl.reward.graders import get_grader
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.colocated import ColocatedEngines
-from dsv4rl.rollout.engine_keys import run_engine_keys
+from dsv4rl.rollout.engines import engine_clients, freeze_engines_gc, wait_for_engines
 from dsv4rl.sync.served_format import check_served_formats
-from dsv4rl.sync.sources import sync_transport, weight_sync_sources
 from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.sync.verify import SyncVerifier, probe_sequences
 from dsv4rl.sync.weight_sync import WeightSync
-from dsv4rl.topology import topology
+from dsv4rl.topology import sync_transport, weight_sync_sources
 from dsv4rl.train.align import run_align
-from dsv4rl.train.engines import build_train_engine
-from dsv4rl.train.loop import Driver, RLLoop, TrainEngine
+from dsv4rl.train.backend import TrainerBackend, build_backend
+from dsv4rl.train.loop import Driver, RLLoop
 
 log = logging.getLogger("dsv4rl.train")
 
@@ -54,22 +52,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def engine_clients(cfg: Config) -> list[EngineClient]:
-    """A client per engine of the recipe's topology; engines beyond loopback answer only the run's keys."""
-    keys = run_engine_keys(cfg, Path(cfg.run.dir))
-    return [
-        EngineClient(
-            url,
-            timeout_s=cfg.engine.request_timeout_s,
-            retries=cfg.engine.retries,
-            max_concurrency=cfg.engine.max_concurrency,
-            api_key=keys.api_key if keys else None,
-            admin_api_key=keys.admin_api_key if keys else None,
-        )
-        for url in topology(cfg).engine_urls()
-    ]
 
 
 def build_driver(
@@ -100,18 +82,18 @@ def build_driver(
 
 
 def build_weight_sync(
-    cfg: Config, engine: TrainEngine, clients: list[EngineClient] | None
+    cfg: Config, backend: TrainerBackend, clients: list[EngineClient] | None
 ) -> StagedWeightSync:
     """This rank's part in the weight sync: a sender when it is a pipeline stage's source rank.
 
     `clients` are rank 0's engine clients (shared with the driver); another source makes its own."""
     sources = weight_sync_sources(cfg)
     planned = [source.rank for source in sources]
-    if planned != list(engine.weight_source_ranks):
+    if planned != list(backend.weight_source_ranks):
         raise RuntimeError(
-            f"the {cfg.parallel.train.backend.value} engine sends its stages from ranks "
-            f"{list(engine.weight_source_ranks)}, but the plan placed the weight-sync groups for ranks "
-            f"{planned} (stage s at rank s x world / pipeline_parallel): the engine's rank order differs"
+            f"the {cfg.parallel.train.backend.value} backend sends its stages from ranks "
+            f"{list(backend.weight_source_ranks)}, but the plan placed the weight-sync groups for ranks "
+            f"{planned} (stage s at rank s x world / pipeline_parallel): the backend's rank order differs"
         )
     rank = dist.get_rank()
     mine = next((source for source in sources if source.rank == rank), None)
@@ -120,7 +102,7 @@ def build_weight_sync(
         clients = clients if rank == 0 else engine_clients(cfg)
         rollout = cfg.parallel.rollout
         # Each engine joins a group with one rank per tensor-parallel GPU (the reference engine: one).
-        ranks_per_engine = 1 if rollout.engine.value == "reference" else rollout.tensor_parallel
+        ranks_per_engine = 1 if rollout.engine == RolloutEngineKind.reference else rollout.tensor_parallel
         sender = WeightSync(
             clients,
             cfg.sync,
@@ -133,18 +115,6 @@ def build_weight_sync(
             transport=sync_transport(cfg),  # colocated: by tensor handles, no group
         )
     return StagedWeightSync(sources, rank, sender)
-
-
-def wait_for_engines(cfg: Config, clients: list[EngineClient], event_loop: asyncio.AbstractEventLoop) -> None:
-    """Until every engine answers /health_generate (engine.startup_timeout_s): the trainer starts while the
-    engines load, so its own start-up overlaps theirs."""
-    started = time.monotonic()
-
-    async def all_healthy() -> None:
-        await asyncio.gather(*(client.wait_healthy(cfg.engine.startup_timeout_s) for client in clients))
-
-    event_loop.run_until_complete(all_healthy())
-    log.info("%d engine(s) healthy after %.1f s", len(clients), time.monotonic() - started)
 
 
 def connect(cfg: Config, weight_sync: StagedWeightSync, driver: Driver | None, model_path: str) -> None:
@@ -175,16 +145,6 @@ def connect(cfg: Config, weight_sync: StagedWeightSync, driver: Driver | None, m
             freeze_engines_gc(driver.clients, driver.event_loop)
 
 
-def freeze_engines_gc(clients: Sequence[EngineClient], event_loop: asyncio.AbstractEventLoop) -> None:
-    """POST /freeze_gc to every engine, now that they are loaded and warm (`engine.freeze_gc`)."""
-
-    async def freeze_all() -> None:
-        await asyncio.gather(*(client.freeze_gc() for client in clients))
-
-    event_loop.run_until_complete(freeze_all())
-    log.info("froze the garbage collector of %d engine(s)", len(clients))
-
-
 def freeze_own_gc() -> None:
     """Collect, then move every object alive before the first step (imports, the model, the process
     groups) out of the collector's reach: a full collection otherwise walks all of them, 0.1-0.2 s a time
@@ -197,7 +157,7 @@ def freeze_own_gc() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True, help="the resolved config.yaml the launcher wrote")
-    parser.add_argument("--task", choices=("train", "align"), default="train")
+    parser.add_argument("--task", type=Task, choices=(Task.train, Task.align), default=Task.train)
     args = parser.parse_args(argv)
     cfg = load_config_file(args.config)
     run_dir = Path(cfg.run.dir)
@@ -223,27 +183,26 @@ def main(argv: list[str] | None = None) -> int:
     driver = weight_sync = None
     try:
         # align measures a trainer whose weights are off the engine's quantization grid: the source model
-        trainer_path = (
-            str(source_model_dir(run_dir)) if args.task == "align" and cfg.model.path is None else model_path
-        )
-        engine = build_train_engine(cfg, trainer_path, device)
+        aligning_tiny = args.task == Task.align and cfg.model.path is None
+        trainer_path = str(source_model_dir(run_dir)) if aligning_tiny else model_path
+        backend = build_backend(cfg, trainer_path, device)
         clients = engine_clients(cfg) if rank == 0 else None
         if clients is not None:
             driver = build_driver(cfg, run_dir, model_path, clients, event_loop)
-        weight_sync = build_weight_sync(cfg, engine, clients)
+        weight_sync = build_weight_sync(cfg, backend, clients)
         connect(cfg, weight_sync, driver, model_path)
-        if args.task == "align":
-            run_align(cfg, engine, driver, weight_sync, run_dir)
+        if args.task == Task.align:
+            run_align(cfg, backend, driver, weight_sync, run_dir)
             return 0
         verify = cfg.sync.verify
         probe = None
         if verify.logprob_probe:
-            config = engine.hf_config
+            config = backend.hf_config
             probe = probe_sequences(
                 config.vocab_size, verify.probe_sequences, verify.probe_length, bos=config.bos_token_id
             )
         freeze_own_gc()
-        RLLoop(cfg, engine, run_dir, driver, weight_sync, probe=probe).run()
+        RLLoop(cfg, backend, run_dir, driver, weight_sync, probe=probe).run()
         log.info("training finished")
         return 0
     finally:

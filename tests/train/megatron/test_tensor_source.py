@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dsv4rl.config.schema import ModelConfig, QuantConfig, QuantMode
+from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.native_checkpoint import load_native_model
-from dsv4rl.model.tiny import materialize_model
 from dsv4rl.train.megatron.tensor_source import NativeCheckpointSource, StateDictSource
 
 

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 from transformers import DeepseekV4Config
 
+from dsv4rl.config.schema import RecomputeMode
+
 
 class AttentionKind(StrEnum):
     sliding = "sliding_attention"
@@ -62,8 +64,8 @@ class DeepseekV4Architecture:
     def from_hf(cls, config: DeepseekV4Config) -> DeepseekV4Architecture:
         if config.scoring_func != "sqrtsoftplus" or not config.norm_topk_prob:
             raise ValueError(
-                f"scoring_func={config.scoring_func!r}, norm_topk_prob={config.norm_topk_prob}: the Megatron "
-                "engine implements DeepSeek-V4's sqrtsoftplus scores renormalised over the top-k"
+                f"scoring_func={config.scoring_func!r}, norm_topk_prob={config.norm_topk_prob}: the megatron "
+                "backend implements DeepSeek-V4's sqrtsoftplus scores renormalised over the top-k"
             )
         head_dim = config.head_dim
         rope_factor = config.rope_parameters["main"].get("partial_rotary_factor", 1.0)
@@ -107,7 +109,7 @@ class ParallelSizes:
     pipeline: int = 1
     expert: int = 1
     last_stage_layers: int | None = None
-    recompute: str = "none"  # none | full | selective
+    recompute: RecomputeMode = RecomputeMode.none
     recompute_layers: int = 1  # blocks per recomputed chunk (full recompute)
 
 
@@ -115,8 +117,9 @@ def transformer_config(
     arch: DeepseekV4Architecture, sizes: ParallelSizes, dtype: torch.dtype, on_cpu: bool
 ) -> TransformerConfig:
     """megatron-core's config for this model: its MoE layer, parallel linears and schedules read it."""
-    recompute = {} if sizes.recompute == "none" else {"recompute_granularity": sizes.recompute}
-    if sizes.recompute == "full":
+    mode = RecomputeMode(sizes.recompute)
+    recompute = {} if mode == RecomputeMode.none else {"recompute_granularity": mode.value}
+    if mode == RecomputeMode.full:
         recompute.update(recompute_method="uniform", recompute_num_layers=sizes.recompute_layers)
     layout = {}
     if sizes.pipeline > 1 and sizes.last_stage_layers is not None:

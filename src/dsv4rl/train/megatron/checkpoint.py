@@ -1,4 +1,4 @@
-"""Checkpoints of the Megatron engine with megatron-core's distributed checkpointing.
+"""Checkpoints of the megatron trainer backend with megatron-core's distributed checkpointing.
 
 The model's `sharded_state_dict` names every tensor globally (layers by their global number, experts
 by their global index, TP splits by their axis), so a checkpoint written at one parallel layout loads
@@ -13,7 +13,7 @@ loop's extra state and each rank's RNG states). Written into `<dir>.tmp`, rename
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,14 +30,11 @@ from dsv4rl.train.checkpoint import (
     restore_rng_state,
     save_rank_state,
 )
-from dsv4rl.train.megatron.optimizer import ModelParallelAdamW
-
-if TYPE_CHECKING:
-    from dsv4rl.train.megatron.engine import MegatronTrainEngine
+from dsv4rl.train.megatron.model import DeepseekV4Model
+from dsv4rl.train.megatron.optimizer import ModelParallelAdamW, StepOptimizer
 
 
-def _optimizer_sharded_state(engine: MegatronTrainEngine, model_state: dict) -> dict:
-    optimizer = engine.optimizer
+def _optimizer_sharded_state(optimizer: StepOptimizer, model_state: dict) -> dict:
     if not isinstance(optimizer, ModelParallelAdamW):
         return optimizer.optimizer.sharded_state_dict(model_state)
     optimizer.initialise_state()
@@ -47,40 +44,47 @@ def _optimizer_sharded_state(engine: MegatronTrainEngine, model_state: dict) -> 
     return state
 
 
-def _sharded_state(engine: MegatronTrainEngine) -> dict:
-    model_state = engine.model.sharded_state_dict()
-    return {"model": model_state, "optimizer": _optimizer_sharded_state(engine, model_state)}
+def _sharded_state(model: DeepseekV4Model, optimizer: StepOptimizer) -> dict:
+    model_state = model.sharded_state_dict()
+    return {"model": model_state, "optimizer": _optimizer_sharded_state(optimizer, model_state)}
 
 
-def save_engine_checkpoint(
-    engine: MegatronTrainEngine, directory: str, extra_state: dict[str, Any], keep: int = 0
+def save_checkpoint(
+    model: DeepseekV4Model,
+    optimizer: StepOptimizer,
+    counters: dict[str, int],
+    directory: str,
+    extra_state: dict[str, Any],
+    keep: int = 0,
 ) -> Path:
-    """Collective. Returns the final directory; `keep` > 0 prunes older siblings."""
+    """Collective. `counters`: the train steps and optimizer steps taken (`step`, `updates`). Returns the
+    final directory; `keep` > 0 prunes older siblings."""
     final = Path(directory)
     tmp = prepare_staging(final)
-    dist_checkpointing.save(_sharded_state(engine), str(tmp))
+    dist_checkpointing.save(_sharded_state(model, optimizer), str(tmp))
     save_rank_state(tmp, extra_state)
-    trainer_state = {"step": engine.step, "updates": engine.updates, "world_size": dist.get_world_size()}
-    return publish(tmp, final, trainer_state, keep)
+    return publish(tmp, final, {**counters, "world_size": dist.get_world_size()}, keep)
 
 
-def load_engine_checkpoint(engine: MegatronTrainEngine, directory: str) -> dict[str, Any]:
-    """Collective: model, optimizer, schedule position and this rank's RNG states; returns extra_state."""
+def load_checkpoint(
+    model: DeepseekV4Model, optimizer: StepOptimizer, directory: str
+) -> tuple[dict[str, int], dict[str, Any]]:
+    """Collective: model, optimizer and this rank's RNG states; returns (counters, extra_state)."""
     path = Path(directory)
     if not (path / TRAINER_STATE).exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {TRAINER_STATE})")
     trainer_state = torch.load(path / TRAINER_STATE, weights_only=False)
-    engine.step, engine.updates = int(trainer_state["step"]), int(trainer_state["updates"])
-    loaded = dist_checkpointing.load(_sharded_state(engine), str(path))
-    engine.model.load_state_dict(loaded["model"])
-    if isinstance(engine.optimizer, ModelParallelAdamW):
+    counters = {"step": int(trainer_state["step"]), "updates": int(trainer_state["updates"])}
+    loaded = dist_checkpointing.load(_sharded_state(model, optimizer), str(path))
+    model.load_state_dict(loaded["model"])
+    if isinstance(optimizer, ModelParallelAdamW):
         # Adam's per-parameter step is not sharded state: every parameter steps with every update
         for state in loaded["optimizer"]["state"].values():
-            state["step"] = torch.tensor(float(engine.updates))
-    engine.optimizer.load_state_dict(loaded["optimizer"])
+            state["step"] = torch.tensor(float(counters["updates"]))
+    optimizer.load_state_dict(loaded["optimizer"])
     own = path / f"extra_rank{dist.get_rank():05d}.pt"
     per_rank = torch.load(own if own.exists() else path / "extra_rank00000.pt", weights_only=False)
     if own.exists():
         restore_rng_state(per_rank["rng"])
     dist.barrier()
-    return per_rank["extra"]
+    return counters, per_rank["extra"]

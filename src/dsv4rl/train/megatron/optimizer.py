@@ -1,4 +1,4 @@
-"""Gradient finalisation and the optimizer of the Megatron engine.
+"""Gradient finalisation and the optimizer of the megatron trainer backend.
 
 Gradients: megatron-core's `DistributedDataParallel` buckets and reduces them over data-parallel
 ranks (experts over expert-data-parallel ranks). dsv4rl's loss is already normalised by the global
@@ -41,7 +41,7 @@ def finalize_gradients(
 
 
 class StepOptimizer(Protocol):
-    """What the engine needs: zero, set the learning rate, step (returns the pre-clip gradient norm)."""
+    """What the backend needs: zero, set the learning rate, step (returns the pre-clip gradient norm)."""
 
     def zero_grad(self) -> None: ...
 
@@ -167,8 +167,7 @@ class MegatronDistributedAdam:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, dtype: torch.dtype, on_gpu: bool) -> StepOptimizer:
-    if cfg.optim.name.lower() != "adamw":
-        raise ValueError(f"optim.name={cfg.optim.name!r}: the megatron engine supports only 'adamw'")
+    """AdamW (`optim.name`'s one choice): megatron's distributed optimizer on GPUs, torch's on CPU."""
     if on_gpu:
         return MegatronDistributedAdam(model, cfg, dtype)
     return ModelParallelAdamW(model, cfg)

@@ -3,7 +3,7 @@
 `initialize` must run once per process after `torch.distributed.init_process_group` (torchrun): it
 applies the CPU shims when there is no GPU, then builds megatron's TP/PP/EP/DP groups. `run_pipeline`
 is the one entry to megatron's forward/backward schedules (no pipelining at PP=1, 1F1B otherwise);
-the engine and the tests go through it, so the old-policy log-prob pass and the training pass share
+the backend and the tests go through it, so the old-policy log-prob pass and the training pass share
 the schedule.
 """
 

@@ -1,4 +1,4 @@
-"""Where the Megatron engine's ranks read their weights from: only the tensors of their own shard.
+"""Where the megatron backend's ranks read their weights from: only the tensors of their own shard.
 
 A rank needs its pipeline stage's layers, its tensor-parallel slices and its experts. From a native
 checkpoint (the release's names, FP8/MXFP4 with scales) `NativeCheckpointSource` reads exactly those

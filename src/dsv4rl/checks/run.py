@@ -1,0 +1,301 @@
+"""Run-setting rules: algorithm, sampling, optimizer, model (tiny), data / reward / eval, sync and engine.
+
+These read only the recipe, so `dsv4rl train --cfg` checks them on any machine.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dsv4rl.checks.problems import Add
+from dsv4rl.config.schema import (
+    LAYER_TYPES,
+    MLP_TYPES,
+    Config,
+    GraderName,
+    LRSchedule,
+    OptimizerName,
+    PauseMode,
+    RolloutEngineKind,
+    SamplingConfig,
+)
+from dsv4rl.topology import data_parallel_size
+
+GRADERS = tuple(GraderName)
+PAUSE_MODES = tuple(PauseMode)
+OPTIMIZERS = tuple(OptimizerName)
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def _check_sampling(prefix: str, s: SamplingConfig, add: Add) -> None:
+    if s.temperature < 0:
+        add(f"{prefix}.temperature must be >= 0 (got {s.temperature}; 0 means greedy)")
+    if not 0.0 < s.top_p <= 1.0:
+        add(f"{prefix}.top_p must be in (0, 1] (got {s.top_p})")
+    if s.top_k != -1 and s.top_k < 1:
+        add(f"{prefix}.top_k must be -1 (off) or >= 1 (got {s.top_k})")
+    if s.max_new_tokens < 1:
+        add(f"{prefix}.max_new_tokens must be >= 1 (got {s.max_new_tokens})")
+
+
+def check_algo(cfg: Config, add: Add) -> None:
+    a = cfg.algo
+    if a.group_size < 2:
+        add(
+            f"algo.group_size={a.group_size}: GRPO compares responses to the same prompt, so a group "
+            "needs >= 2 responses"
+        )
+    if a.prompts_per_step < 1:
+        add(f"algo.prompts_per_step must be >= 1 (got {a.prompts_per_step})")
+    if a.updates_per_step < 1:
+        add(f"algo.updates_per_step must be >= 1 (got {a.updates_per_step})")
+    if a.async_rollout and not (a.tis.enabled or a.mis.enabled):
+        add(
+            "algo.async_rollout=true trains on samples one weight version old: turn on the correction for "
+            "it, algo.tis.enabled=true (or algo.mis.enabled=true)"
+        )
+    if a.async_rollout and cfg.parallel.colocate:
+        add(
+            "algo.async_rollout=true needs the engines generating while the trainer trains, but "
+            "parallel.colocate=true gives the devices to one at a time: turn one of them off"
+        )
+    if not 0.0 < a.eps_clip_low < 1.0:
+        add(f"algo.eps_clip_low must be in (0, 1) (got {a.eps_clip_low}); the ratio is clipped at 1 - eps")
+    if a.eps_clip_high <= 0.0:
+        add(f"algo.eps_clip_high must be > 0 (got {a.eps_clip_high})")
+    if a.kl_coef < 0:
+        add(f"algo.kl_coef must be >= 0 (got {a.kl_coef})")
+    if a.tis.clip <= 0:
+        add(f"algo.tis.clip must be > 0 (got {a.tis.clip})")
+    if not 0.0 < a.mis.low <= 1.0 <= a.mis.high:
+        add(
+            f"algo.mis.low and high must satisfy 0 < low <= 1 <= high (got {a.mis.low}, {a.mis.high}): MIS "
+            "keeps tokens whose train/rollout ratio lies in [low, high]"
+        )
+    if a.dynamic_sampling.max_oversample_factor < 1:
+        add(
+            "algo.dynamic_sampling.max_oversample_factor must be >= 1 "
+            f"(got {a.dynamic_sampling.max_oversample_factor})"
+        )
+    _check_sampling("algo.sampling", a.sampling, add)
+    o = a.overlong
+    if o.enabled:
+        if o.expected_len < 1 or o.buffer_len < 1:
+            add(
+                "algo.overlong.expected_len and buffer_len must be >= 1 "
+                f"(got {o.expected_len}, {o.buffer_len})"
+            )
+        elif o.expected_len >= a.sampling.max_new_tokens:
+            add(
+                f"algo.overlong.expected_len={o.expected_len} is not below algo.sampling.max_new_tokens="
+                f"{a.sampling.max_new_tokens}, so the overlong penalty can never apply: lower expected_len "
+                "or disable algo.overlong"
+            )
+        if o.penalty < 0:
+            add(f"algo.overlong.penalty must be >= 0 (got {o.penalty}; it is subtracted)")
+    if a.group_size >= 1 and a.prompts_per_step >= 1 and a.updates_per_step >= 1:
+        samples = a.prompts_per_step * a.group_size
+        dp = data_parallel_size(cfg)
+        if dp >= 1 and samples % (dp * a.updates_per_step):
+            add(
+                f"algo.prompts_per_step x group_size = {samples} responses must split evenly into "
+                f"algo.updates_per_step={a.updates_per_step} mini-batches over {dp} data-parallel ranks "
+                f"(a multiple of {dp * a.updates_per_step})"
+            )
+
+
+LR_SCHEDULES = tuple(LRSchedule)
+
+
+def check_optim(cfg: Config, add: Add) -> None:
+    o = cfg.optim
+    if o.name not in OPTIMIZERS:
+        add(f"optim.name={o.name!r} is not supported; choose one of {', '.join(OPTIMIZERS)}")
+    if o.lr <= 0:
+        add(f"optim.lr must be > 0 (got {o.lr})")
+    if o.weight_decay < 0:
+        add(f"optim.weight_decay must be >= 0 (got {o.weight_decay})")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        add(f"optim.betas must be two values in [0, 1) (got {list(o.betas)})")
+    if o.eps <= 0:
+        add(f"optim.eps must be > 0 (got {o.eps})")
+    if o.grad_clip < 0:
+        add(f"optim.grad_clip must be >= 0 (got {o.grad_clip}; 0 disables clipping)")
+    if o.warmup_steps < 0:
+        add(f"optim.warmup_steps must be >= 0 (got {o.warmup_steps})")
+    if o.lr_schedule not in LR_SCHEDULES:
+        add(f"optim.lr_schedule={o.lr_schedule!r} is not known; choose one of {', '.join(LR_SCHEDULES)}")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        add(f"optim.min_lr_ratio must be in [0, 1] (got {o.min_lr_ratio})")
+
+
+def _longest_sequence(cfg: Config) -> tuple[int, str]:
+    """The longest sequence the model sees, and the key of its response cap (training's or the eval's)."""
+    new_tokens, key = cfg.algo.sampling.max_new_tokens, "algo.sampling.max_new_tokens"
+    if cfg.eval.name != "none" and cfg.eval.sampling.max_new_tokens > new_tokens:
+        new_tokens = cfg.eval.sampling.max_new_tokens
+        key = f"eval.sampling.max_new_tokens (eval={cfg.eval.name})"
+    return cfg.data.max_prompt_len + new_tokens, key
+
+
+def check_model(cfg: Config, add: Add) -> None:
+    m, tiny = cfg.model, cfg.model.tiny
+    if m.path is None:
+        n = tiny.num_hidden_layers
+        if n < 1:
+            add(f"model.tiny.num_hidden_layers must be >= 1 (got {n})")
+        for key, values, allowed in (
+            ("layer_types", tiny.layer_types, LAYER_TYPES),
+            ("mlp_layer_types", tiny.mlp_layer_types, MLP_TYPES),
+        ):
+            if len(values) != n:
+                add(
+                    f"model.tiny.{key} lists {len(values)} entries but num_hidden_layers={n}: "
+                    "give one per layer"
+                )
+            unknown = sorted(set(values) - set(allowed))
+            if unknown:
+                add(f"model.tiny.{key} has unknown values {unknown}; choose from {', '.join(allowed)}")
+        if not 1 <= tiny.num_experts_per_tok <= tiny.n_routed_experts:
+            add(
+                f"model.tiny.num_experts_per_tok={tiny.num_experts_per_tok} must be in 1..n_routed_experts="
+                f"{tiny.n_routed_experts}"
+            )
+        longest, cap = _longest_sequence(cfg)
+        if tiny.max_position_embeddings < longest:
+            add(
+                f"model.tiny.max_position_embeddings={tiny.max_position_embeddings} is below the longest "
+                f"sequence ({longest} = data.max_prompt_len {cfg.data.max_prompt_len} (data={cfg.data.name}) "
+                f"+ {cap} {longest - cfg.data.max_prompt_len}): shorten them or raise max_position_embeddings"
+            )
+        uses_csa = "compressed_sparse_attention" in tiny.layer_types
+        if (
+            uses_csa
+            and cfg.parallel.rollout.engine == RolloutEngineKind.reference
+            and tiny.csa_compress_rate >= 1
+        ):
+            needed = math.ceil(longest / tiny.csa_compress_rate)
+            if tiny.index_topk < needed:
+                add(
+                    f"model.tiny.index_topk={tiny.index_topk} is below "
+                    f"ceil(({cfg.data.max_prompt_len} prompt + "
+                    f"{longest - cfg.data.max_prompt_len} new tokens) / csa_compress_rate "
+                    f"{tiny.csa_compress_rate}) = {needed}: the reference engine's cached decoding would no "
+                    f"longer equal a full forward; set model.tiny.index_topk={needed} or shorten "
+                    "data.max_prompt_len / max_new_tokens"
+                )
+    else:
+        if m.num_hidden_layers is not None and m.num_hidden_layers < 1:
+            add(f"model.num_hidden_layers must be >= 1 (got {m.num_hidden_layers})")
+        if m.n_routed_experts is not None and m.n_routed_experts < 1:
+            add(f"model.n_routed_experts must be >= 1 (got {m.n_routed_experts})")
+
+
+def check_data_reward_eval(cfg: Config, add: Add) -> None:
+    d, r, e = cfg.data, cfg.reward, cfg.eval
+    if d.name != "tiny_arith" and d.path is None:
+        add(f"data.name={d.name!r} reads a file: set data.path=<jsonl or parquet file>")
+    if d.path is not None and not d.path.endswith(DATA_SUFFIXES):
+        add(f"data.path={d.path!r} must be a {' / '.join(DATA_SUFFIXES)} file")
+    if d.max_prompt_len < 1:
+        add(f"data.max_prompt_len must be >= 1 (got {d.max_prompt_len})")
+    if d.name == "tiny_arith":
+        if d.arith.max_operand < 0 or d.arith.max_answer < 0:
+            add("data.arith.max_operand and max_answer must be >= 0")
+        if not d.arith.ops:
+            add("data.arith.ops must list at least one operator")
+    if r.grader not in GRADERS:
+        add(f"reward.grader={r.grader!r} is unknown; choose one of {', '.join(GRADERS)}")
+    if r.timeout_s <= 0:
+        add(f"reward.timeout_s must be > 0 (got {r.timeout_s})")
+    if e.grader not in GRADERS:
+        add(f"eval.grader={e.grader!r} is unknown; choose one of {', '.join(GRADERS)}")
+    if e.every_steps < 0:
+        add(f"eval.every_steps must be >= 0 (got {e.every_steps}; 0: no periodic evaluation)")
+    if d.holdout < 0 or e.holdout < 0:
+        add(f"data.holdout and eval.holdout must be >= 0 (got {d.holdout}, {e.holdout})")
+    if e.name != "none":
+        from dsv4rl.eval.data import EVAL_SETS, TEMPLATES
+
+        if e.name not in EVAL_SETS:
+            add(
+                f"eval.name={e.name!r} is not an eval set; choose one of "
+                f"{', '.join(sorted(EVAL_SETS))} or none"
+            )
+        elif e.dataset is None and e.name != "tiny_arith":
+            add(f"eval.name={e.name!r} needs its data: data.path=<file> (dsv4rl eval), eval.dataset=<file>, "
+                "or DSV4RL_DATA_DIR")  # fmt: skip
+        if e.holdout and e.dataset == d.path and d.holdout < e.holdout:
+            add(
+                f"eval.holdout={e.holdout} scores the last {e.holdout} rows of {d.path}, but training reads "
+                f"all but the last data.holdout={d.holdout}: set data.holdout={e.holdout} so it never trains "
+                "on them"
+            )
+        if e.max_problems is not None and e.max_problems < 1:
+            add(f"eval.max_problems must be >= 1 or null (got {e.max_problems})")
+        template = e.prompt_template
+        if template is not None and template not in TEMPLATES and "{problem}" not in template:
+            add(
+                f"eval.prompt_template={template!r} is neither a named template ({', '.join(TEMPLATES)}) "
+                "nor a text with a {problem} placeholder"
+            )
+        if e.samples_per_problem < 1:
+            add(f"eval.samples_per_problem must be >= 1 (got {e.samples_per_problem})")
+        bad_k = [k for k in e.k if not 1 <= k <= e.samples_per_problem]
+        if bad_k or not e.k:
+            add(f"eval.k values must be in 1..samples_per_problem={e.samples_per_problem} (got {list(e.k)})")
+        _check_sampling("eval.sampling", e.sampling, add)
+
+
+def check_run(cfg: Config, add: Add) -> None:
+    t, s, eng = cfg.train, cfg.sync, cfg.engine
+    if t.steps < 1:
+        add(f"train.steps must be >= 1 (got {t.steps})")
+    if t.micro_batch_size < 1:
+        add(f"train.micro_batch_size must be >= 1 (got {t.micro_batch_size})")
+    if t.checkpoint_every < 0:
+        add(f"train.checkpoint_every must be >= 0 (got {t.checkpoint_every}; 0: never)")
+    if t.keep_checkpoints < 1:
+        add(f"train.keep_checkpoints must be >= 1 (got {t.keep_checkpoints})")
+    if t.log_every < 1:
+        add(f"train.log_every must be >= 1 (got {t.log_every})")
+    if s.bucket_bytes <= 0:
+        add(f"sync.bucket_bytes must be > 0 (got {s.bucket_bytes})")
+    if s.pause_mode not in PAUSE_MODES:
+        add(f"sync.pause_mode={s.pause_mode!r} is unknown; choose one of {', '.join(PAUSE_MODES)}")
+    if s.timeout_s <= 0:
+        add(f"sync.timeout_s must be > 0 (got {s.timeout_s})")
+    if not s.group_name:
+        add("sync.group_name must not be empty")
+    if eng.max_batch_size < 1 or eng.max_concurrency < 1:
+        add("engine.max_batch_size and engine.max_concurrency must be >= 1")
+    if eng.retries < 0:
+        add(f"engine.retries must be >= 0 (got {eng.retries})")
+    if eng.startup_timeout_s <= 0 or eng.request_timeout_s <= 0:
+        add("engine.startup_timeout_s and engine.request_timeout_s must be > 0")
+    planned = {
+        "--admin-api-key": "the planner gives engines an admin key (DSV4RL_ENGINE_ADMIN_API_KEY chooses it)",
+        "--api-key": "the planner gives engines an api key (DSV4RL_ENGINE_API_KEY chooses it)",
+        "--config": "the planner passes the keys in a --config file, and SGLang takes one",
+        "--enable-deterministic-inference": "set engine.reproducible_sampling=true (the client then seeds "
+        "every sample; the flag alone makes the samples of a prompt identical)",
+    }
+    for flag in [a for a in map(str, eng.extra_args) if a.split("=", 1)[0] in planned]:
+        add(f"engine.extra_args has {flag}: {planned[flag.split('=', 1)[0]]}; remove it")
+    if eng.python is not None and not eng.python.strip():
+        add("engine.python is empty: give SGLang's interpreter, or null for this one")
+    if not cfg.run.dir:
+        add("run.dir must not be empty")
+    if cfg.run.step_timeout_s < 0:
+        add(f"run.step_timeout_s must be >= 0 (got {cfg.run.step_timeout_s}; 0 turns the hang watchdog off)")
+    a = cfg.align
+    if a.prompts < 1 or a.samples_per_prompt < 1 or a.worst_tokens < 0:
+        add(
+            "align.prompts and align.samples_per_prompt must be >= 1 and align.worst_tokens >= 0 "
+            f"(got {a.prompts}, {a.samples_per_prompt}, {a.worst_tokens})"
+        )
+    if a.max_new_tokens is not None and a.max_new_tokens < 1:
+        add(
+            "align.max_new_tokens must be >= 1, or null for algo.sampling.max_new_tokens "
+            f"(got {a.max_new_tokens})"
+        )

@@ -1,0 +1,133 @@
+"""The reference engine's launch flags: SGLang's flag names, parsed into `ServerArgs` keyword arguments."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["ServerArgs", "build_parser", "merge_config_file", "parse_args"]
+
+
+@dataclass
+class ServerArgs:
+    """The launch flags (SGLang names); reported by /server_info."""
+
+    model_path: str
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    max_batch_size: int = 256
+    random_seed: int | None = None
+    weight_version: str = "default"
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    log_level: str = "info"
+    num_threads: int | None = None
+    served_model_name: str | None = None
+    skip_tokenizer_init: bool = False
+    skip_server_warmup: bool = False
+    dtype: str = "auto"
+    tp_size: int = 1
+    dp_size: int = 1
+    pp_size: int = 1
+    ep_size: int = 1
+    context_length: int | None = None
+    load_format: str = "auto"
+    enable_deterministic_inference: bool = False  # sampling_seed is honoured only with it, as in SGLang
+    enable_memory_saver: bool = False  # release_memory_occupation frees memory only with it, as in SGLang
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dsv4rl.engine",
+        description="CPU reference engine speaking the SGLang 0.5.23 HTTP protocol subset.",
+    )
+    parser.add_argument(
+        "--model-path", "--model", dest="model_path", required=True, help="transformers model dir"
+    )
+    parser.add_argument("--tokenizer-path", default=None, help="default: the model path")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument(
+        "--max-batch-size", "--max-running-requests", dest="max_batch_size", type=int, default=256
+    )
+    parser.add_argument("--random-seed", type=int, default=None, help="default: a random int")
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--admin-api-key", default=None)
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
+    )
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
+    )
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--skip-tokenizer-init", action="store_true")
+    parser.add_argument("--skip-server-warmup", action="store_true")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"]
+    )
+    parser.add_argument("--context-length", type=int, default=None, help="default: max_position_embeddings")
+    parser.add_argument(
+        "--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1, choices=[1]
+    )
+    parser.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="honour sampling_seed (SGLang's meaning: without it the seed is ignored)",
+    )
+    parser.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="let /release_memory_occupation free the weights and KV (refused without it)",
+    )
+    parser.add_argument(
+        "--config", default=None, help="YAML file of flags (keys as dest names), as in SGLang"
+    )
+    return parser
+
+
+def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """SGLang's `--config FILE`: the file's `key: value` pairs become flags placed before the command line's
+    (which wins). Keys are flag names with underscores; `true` booleans become bare flags."""
+    if "--config" not in argv:
+        return argv
+    if argv.count("--config") > 1:
+        raise SystemExit("Multiple config files specified! Only one allowed.")
+    index = argv.index("--config")
+    if index == len(argv) - 1:
+        raise SystemExit("No config file specified after --config flag!")
+    path = Path(argv[index + 1])
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"--config {path}: expected a YAML mapping of flag names to values")
+    flags: dict[str, argparse.Action] = {
+        option[2:].replace("-", "_"): action
+        for action in parser._actions
+        for option in action.option_strings
+        if option.startswith("--")
+    }
+    merged: list[str] = []
+    for key, value in data.items():
+        action = flags.get(str(key))
+        if action is None or key == "config":
+            raise SystemExit(f"--config {path}: unknown option {key!r}")
+        if isinstance(action, argparse._StoreTrueAction):
+            merged += [action.option_strings[0]] if value else []
+        else:
+            merged += [action.option_strings[0], str(value)]
+    return merged + argv[:index] + argv[index + 2 :]
+
+
+def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
+    """Flags as ServerArgs keyword arguments (plus model_path and log_level)."""
+    parser = build_parser()
+    args = vars(parser.parse_args(merge_config_file(list(sys.argv[1:] if argv is None else argv), parser)))
+    args.pop("config")
+    args["dtype"] = {"float": "float32", "half": "float16"}.get(args["dtype"], args["dtype"])
+    return args

@@ -1,0 +1,214 @@
+"""The `fsdp` trainer backend: PyTorch FSDP2 (`fully_shard`) over a transformers DeepseekV4ForCausalLM.
+
+One instance per training rank, inside an initialised default process group (torchrun). The same
+code runs with gloo on CPU and nccl/rccl on GPUs. Every public method is collective: all ranks call
+it, with the same number of sequences in `train_step` (shard the global batch with TrainBatch.shard).
+
+With one rank there is nothing to shard, and the model stays a plain module: FSDP2's per-layer hooks,
+parameter copies and DTensor dispatch cost a tiny model's step about 10 % (`sharded` says which).
+Checkpoints are the same either way: distributed checkpointing stores whole tensors by their global
+offsets, so a run saved at one world size resumes at another.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from dsv4rl.algo.grpo import token_logprobs
+from dsv4rl.config.schema import Config
+from dsv4rl.model.native_checkpoint import load_native_model
+from dsv4rl.train import checkpoint as ckpt
+from dsv4rl.train import update
+from dsv4rl.train.batch import TrainBatch
+from dsv4rl.train.update import MicroBatch, MicroLoss
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """The whole of a (possibly sharded) parameter."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class FSDPBackend:
+    def __init__(self, cfg: Config, model_path: str, device: torch.device | None = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "the fsdp trainer backend needs an initialised default process group: run under torchrun "
+                "and call torch.distributed.init_process_group (gloo on CPU, nccl on GPU) first"
+            )
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.device = device if device is not None else default_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.sharded = self.world > 1  # one rank: a plain module (see the module docstring)
+        self.mesh = init_device_mesh(self.device.type, (self.world,)) if self.sharded else None
+        self.data_parallel_rank, self.data_parallel_size = self.rank, self.world  # FSDP shards data only
+        # the update loop's view (dsv4rl.train.update.UpdateBackend): every rank is a replica that holds
+        # its own sums, and FSDP averages gradients over all of them
+        self.gradient_average = self.world
+        self.counts_loss_sums = self.counts_batch_sums = True
+        self.model = self._load(model_path, trainable=True)
+        self.hf_config = self.model.config
+        self.ref_model = self._load(model_path, trainable=False) if cfg.algo.kl_coef > 0 else None
+        self.has_reference = self.ref_model is not None
+        optim = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=optim.lr,
+            betas=(float(optim.betas[0]), float(optim.betas[1])),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+            fused=True,  # one kernel for all parameters instead of one per tensor
+        )
+        self.step = 0  # completed train_step calls
+        self.updates = 0  # optimizer steps taken (the learning-rate schedule's position)
+        # False forces the separate old-policy forward even when the training forward could serve (tests)
+        self.reuse_policy_forward = True
+
+    # ------------------------------------------------------------------ model
+    def _load(self, model_path: str, trainable: bool) -> torch.nn.Module:
+        # A native checkpoint in any quant format, dequantized to the training dtype (float32).
+        model = load_native_model(model_path, dtype=torch.float32)
+        model.to(self.device)
+        # eval(): no dropout, so the trainer's logprobs match the rollout engine's and each other
+        model.eval()
+        model.requires_grad_(trainable)
+        if self.sharded:
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=self.mesh)
+            fully_shard(model, mesh=self.mesh)
+        return model
+
+    def _reshard(self, model: torch.nn.Module) -> None:
+        """FSDP2 keeps the root's parameters unsharded after a forward without backward."""
+        if self.sharded:
+            model.reshard()
+
+    def _micro_logprobs(
+        self, model: torch.nn.Module, input_ids: Tensor, temperature: float
+    ) -> tuple[Tensor, Tensor]:
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        return token_logprobs(logits, input_ids, temperature), logits
+
+    def _sync_count(self, n: int) -> int:
+        """The largest `n` over ranks: every rank must run the same number of forwards (FSDP collectives)."""
+        t = torch.tensor([n], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    @torch.no_grad()
+    def compute_logprobs(self, input_ids: Tensor, temperature: float = 1.0) -> Tensor:
+        """log p(input_ids[:, t+1] | input_ids[:, :t+1]) of this rank's sequences, [B, T-1], no grad.
+        Ranks may hold different numbers of sequences."""
+        input_ids = input_ids.to(self.device)
+        size = self.cfg.train.micro_batch_size
+        chunks = list(input_ids.split(size)) if input_ids.shape[0] else []
+        steps = self._sync_count(len(chunks))  # before any forward: collectives must pair up
+        out = [self._micro_logprobs(self.model, chunk, temperature)[0] for chunk in chunks]
+        dummy = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+        for _ in range(steps - len(chunks)):
+            self._micro_logprobs(self.model, dummy, temperature)  # keep step with ranks that have more
+        self._reshard(self.model)
+        if not out:
+            return torch.zeros(0, max(input_ids.shape[1] - 1, 0), device=self.device)
+        return torch.cat(out)
+
+    # ------------------------------------------------------------------ training (dsv4rl.train.update)
+    def train_step(self, batch: TrainBatch, temperature: float | None = None) -> dict[str, float]:
+        """One rollout batch (this rank's shard): algo.updates_per_step optimizer steps."""
+        return update.train_step(self, batch, temperature)
+
+    def data_parallel_all_reduce(
+        self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> None:
+        dist.all_reduce(tensor, op=op)
+
+    def micro_batches(self, mini: TrainBatch, row: int) -> list[MicroBatch]:
+        """Each micro-batch trimmed on its own (FSDP's collectives do not depend on shapes)."""
+        out = []
+        for part in mini.micro_batches(self.cfg.train.micro_batch_size):
+            out.append(MicroBatch(part.trimmed(), row, part.size))
+            row += part.size
+        return out
+
+    @torch.no_grad()
+    def forward_logprobs(
+        self, micro: Sequence[MicroBatch], temperature: float, reference: bool = False
+    ) -> list[Tensor]:
+        model = self.ref_model if reference else self.model
+        out = [self._micro_logprobs(model, part.batch.input_ids, temperature)[0] for part in micro]
+        self._reshard(model)
+        return out
+
+    def forward_backward(self, micro: Sequence[MicroBatch], loss: MicroLoss) -> Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = []
+        for part in micro:
+            logits = self.model(input_ids=part.batch.input_ids, use_cache=False).logits
+            value, part_sums = loss(logits, part)
+            value.backward()
+            sums.append(part_sums)
+        return torch.stack(sums).sum(dim=0)
+
+    def optimizer_step(self, lr: float) -> float:
+        """Clip to optim.grad_clip and step at `lr`; returns the gradient norm before clipping."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    weight_source_ranks = (0,)  # one stage, sent by rank 0
+
+    @torch.no_grad()
+    def named_weights_for_sync(self, by_stage: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """Full tensors of every parameter and persistent buffer, HF names, on rank 0.
+
+        Collective: every rank must exhaust the iterator (each sharded tensor is all-gathered);
+        only rank 0 yields (`by_stage` changes nothing: the model is one stage, sent by rank 0).
+        Tensors stay on the training device (what a NCCL broadcast needs) and keep their dtype (tid2eid
+        stays int64). Non-persistent buffers (rotary inv_freq) are not sent.
+        """
+        for name, tensor in self.model.state_dict().items():
+            full = full_tensor(tensor)
+            if self.rank == 0:
+                yield name, full.detach()
+
+    def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> Path:
+        return ckpt.save_checkpoint(
+            directory,
+            self.model,
+            self.optimizer,
+            {"step": self.step, "updates": self.updates},
+            extra_state,
+            keep=self.cfg.train.keep_checkpoints,
+        )
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        state, extra = ckpt.load_checkpoint(directory, self.model, self.optimizer)
+        self.step, self.updates = int(state["step"]), int(state["updates"])
+        return extra

@@ -1,0 +1,99 @@
+"""Every config group option and every enum value, composed into tiny_arith one at a time: validated, and
+built when valid (the trainer backend, the grader, the prompt stream, the eval set, the weight-sync sources
+and the node's processes; no step runs). Usage: every_value.py OUT.json [CASE ...]; one JSON line per case."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+from dsv4rl.config import schema
+from dsv4rl.config.compose import ConfigError, compose, list_groups
+
+RECIPE = "tiny_arith"
+
+
+def enum_fields(cls: type = schema.Config, prefix: str = "") -> list[tuple[str, type[enum.StrEnum]]]:
+    """(dotted key, its StrEnum) of every enum-typed key of the schema."""
+    hints = {f.name: f for f in dataclasses.fields(cls)}
+    out = []
+    for name, f in hints.items():
+        kind = getattr(schema, f.type, None) if isinstance(f.type, str) else f.type
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+            out += enum_fields(kind, f"{prefix}{name}.")
+        elif isinstance(kind, type) and issubclass(kind, enum.StrEnum):
+            out.append((prefix + name, kind))
+    return out
+
+
+def all_cases() -> list[str]:
+    """One override per case: `group=option`, or `key=value` for every value of every enum key."""
+    cases = [f"{group}={option}" for group, options in sorted(list_groups().items()) for option in options]
+    cases += [f"{key}={value.value}" for key, kind in enum_fields() for value in kind]
+    return cases
+
+
+def build(cfg: schema.Config, root: Path, models: dict) -> None:
+    """What a run builds from the recipe before its first step, in this process (a world of 1)."""
+    import torch
+
+    from dsv4rl.data.stream import build_prompt_stream
+    from dsv4rl.eval.data import eval_problems
+    from dsv4rl.launcher.plan import build_local_plan
+    from dsv4rl.model.model_dir import materialize_model
+    from dsv4rl.model.tiny import checkpoint_wire_format
+    from dsv4rl.reward.graders import get_grader
+    from dsv4rl.topology import weight_sync_sources
+    from dsv4rl.train.backend import build_backend
+
+    key = (json.dumps(dataclasses.asdict(cfg.model), sort_keys=True, default=str), cfg.quant.name.value)
+    if key not in models:
+        models[key] = materialize_model(cfg.model, str(root / f"model-{len(models)}"), cfg.quant)
+    checkpoint_wire_format(cfg.quant)
+    get_grader(cfg.reward.grader, reward=cfg.reward)
+    build_prompt_stream(cfg).next_batch()
+    if cfg.eval.name != "none":
+        eval_problems(cfg)
+    weight_sync_sources(cfg)
+    build_local_plan(cfg, root / "run")
+    backend = build_backend(cfg, models[key], torch.device("cpu"))
+    assert list(backend.weight_source_ranks) == [0]
+    del backend
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    out = Path(sys.argv[1])
+    cases = sys.argv[2:] or all_cases()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    models: dict = {}
+    with tempfile.TemporaryDirectory() as tmp, out.open("w") as results:
+        for case in cases:
+            row = {"case": case, "valid": False, "errors": [], "built": False, "build_error": None}
+            try:
+                cfg = compose(RECIPE, [case])
+                from dsv4rl.checks.validate import validate
+
+                validate(cfg)
+                row["valid"] = True
+                build(cfg, Path(tmp), models)
+                row["built"] = True
+            except ConfigError as exc:
+                row["errors"] = list(getattr(exc, "problems", None) or [str(exc)])
+            except Exception as exc:  # a valid recipe that does not build: the defect the test is after
+                row["build_error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
+            results.write(json.dumps(row) + "\n")
+            results.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
