@@ -16,7 +16,7 @@ Then `dsv4rl train recipe=tiny_arith` runs for `--steps` steps as a user runs it
 off-policy async rollouts (unless --no-async); each metrics.jsonl gives each phase's mean over the steps
 after the first two. Each floor is the median of its repeats, measured in three sittings (before the
 runs, between them and after them), so that a machine whose speed drifts during the bench (shared VMs
-do, by 20-30 %) moves the floor with the runs as far as a median can. Printed: step / floor for both
+do) moves the floor with the runs as far as a median can. Printed: step / floor for both
 runs, each phase of the synchronous run over its own floor (rollout + reward vs generate, train vs
 train, sync vs broadcast), and the runs' wall times.
 """
@@ -230,8 +230,8 @@ def floor_process(
     """One floor in a process of its own, which prints its JSON (`--floor`). As in the run, the process
     is fresh and computes on one thread's OpenMP team: a process whose second thread has run parallel
     ops too (the Generator's worker, then the main thread) has libgomp manage more threads than cores,
-    and libgomp then stops spinning between parallel regions; in one process the generate floor took
-    0.07 s before the train floor ran there and 0.2 s after."""
+    and libgomp then stops spinning between parallel regions, which made later floors several times
+    slower in one process."""
     from dsv4rl.model.native_checkpoint import load_native_model
     from dsv4rl.train.worker import freeze_own_gc as freeze_gc  # as the run's processes do
 

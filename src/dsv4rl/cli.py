@@ -26,7 +26,7 @@ from dsv4rl.config.compose import (
     list_recipes,
     to_yaml,
 )
-from dsv4rl.config.schema import Config, Task
+from dsv4rl.config.schema import Config, EvalSet, Task
 
 app = typer.Typer(
     name="dsv4rl",
@@ -240,6 +240,8 @@ def eval_command(
     try:
         recipe, overrides = _split_eval_args(list(args or []))
         cfg = compose(recipe, [f"eval={eval_set}", *preset_overrides(chosen), *overrides])
+        if cfg.eval is None:
+            raise ConfigError(f"eval set {eval_set!r} evaluates nothing; choose one of {', '.join(EvalSet)}")
         cfg.run.dir = str(Path(cfg.run.dir) / "eval" / eval_set)
         if responses is not None:  # nothing is sampled: the eval's cap does not bind the recipe's model
             cfg.eval.sampling = copy.deepcopy(cfg.algo.sampling)

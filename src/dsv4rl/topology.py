@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.schema import Config, SyncTransport, TrainBackend
+from dsv4rl.config.schema import Config, RolloutEngineKind, SyncTransport, TrainBackend
 
 WILDCARD = ("0.0.0.0", "::")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -180,7 +180,7 @@ def engines_on_node(cfg: Config, node_rank: int) -> list[int]:
 def engine_port_layout(cfg: Config) -> tuple[int, range]:
     """(ports between a node's engines, extra ports each engine opens above its own)."""
     ro = cfg.parallel.rollout
-    if ro.engine == "sglang" and ro.data_parallel > 1:
+    if ro.engine == RolloutEngineKind.sglang and ro.data_parallel > 1:
         return ATTN_DP_ENGINE_STRIDE, ATTN_DP_PORT_OFFSETS
     return 1, range(0)
 

@@ -58,7 +58,7 @@ def build(cfg: schema.Config, root: Path, models: dict) -> None:
     checkpoint_wire_format(cfg.quant)
     get_grader(cfg.reward.grader, reward=cfg.reward)
     build_prompt_stream(cfg).next_batch()
-    if cfg.eval.name != "none":
+    if cfg.eval is not None:
         eval_problems(cfg)
     weight_sync_sources(cfg)
     build_local_plan(cfg, root / "run")

@@ -439,6 +439,7 @@ def test_each_pipeline_stage_needs_its_own_weight_sync_port(dapo: Config) -> Non
         ("train", "checkpoint_every", -1, "train.checkpoint_every must be >= 0"),
         ("run", "step_timeout_s", -1.0, "run.step_timeout_s must be >= 0 (got -1.0; 0 turns the hang"),
         ("sync", "bucket_bytes", 0, "sync.bucket_bytes must be > 0"),
+        ("sync", "timeout_s", 0.0, "sync.timeout_s must be > 0"),
         (
             "sync",
             "pause_mode",

@@ -24,6 +24,7 @@ from dsv4rl.config.compose import (
 from dsv4rl.config.schema import (
     CommBackend,
     Config,
+    EvalSet,
     QuantMode,
     RolloutEngineKind,
     TrainBackend,
@@ -53,6 +54,17 @@ def test_tiny_arith_composes() -> None:
     assert cfg.reward.grader == "arith"
     assert cfg.run.dir == "runs/tiny_arith"
     assert (cfg.algo.prompts_per_step, cfg.algo.group_size) == (32, 16)
+    assert cfg.eval is not None and cfg.eval.name is EvalSet.tiny_arith and cfg.eval.every_steps == 20
+
+
+def test_no_eval_set_is_null_not_a_name() -> None:
+    """`eval=none` leaves no eval section (no sentinel name); a written config reads back the same."""
+    for recipe in ("tiny_arith", "dapo_math"):
+        cfg = compose(recipe, ["eval=none"])
+        assert cfg.eval is None
+        assert "eval: null" in to_yaml(cfg)
+    with pytest.raises(ConfigError, match="eval.name: expected one of"):
+        compose("tiny_arith", ["eval.name=aime25"])
 
 
 def test_dapo_math_composes_with_reference_run_facts(monkeypatch: pytest.MonkeyPatch) -> None:

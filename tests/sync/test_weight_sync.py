@@ -327,11 +327,10 @@ def test_configuration_errors() -> None:
     def build(backend="gloo", **cfg):
         return WeightSync([EngineClient("http://127.0.0.1:1")], SyncConfig(**cfg), backend, "127.0.0.1", 1)
 
+    # the recipe's sizes and timeouts are checked once, by validation (tests/checks); here only the choices
     for kwargs, message in [
-        ({"backend": "mpi"}, "choose from"),
+        ({"backend": "mpi"}, "comm.backend='mpi' is unknown; choose one of gloo, nccl"),
         ({"pause_mode": "later"}, "sync.pause_mode"),
-        ({"bucket_bytes": 0}, "bucket_bytes"),
-        ({"timeout_s": 0}, "timeout_s"),
     ]:
         with pytest.raises(ValueError, match=message):
             build(**kwargs)

@@ -66,8 +66,8 @@ def _row_chunks(logits: Tensor) -> list[slice]:
     """Slices of whole rows (sequences) whose float32 copy fits LOGITS_CHUNK_BYTES, at least one row each.
 
     At a real vocabulary one row [T, V] is already large, so the [B, T, V] float32 log-softmax is never
-    materialised. Small models get one vectorised pass: a loop over 512 rows of a tiny model cost 0.29 s
-    of a 1.9 s train step, the same maths in one chunk 0.005 s (bitwise equal results).
+    materialised. Small models get one vectorised pass instead of a Python loop over rows, with bitwise
+    equal results.
     """
     row_bytes = max(1, logits[0].numel() * 4)
     rows = max(1, LOGITS_CHUNK_BYTES // row_bytes)

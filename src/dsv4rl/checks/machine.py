@@ -89,8 +89,8 @@ def check_paths(cfg: Config, add: Add) -> None:
             "data.path=<jsonl or parquet file> or set DSV4RL_DATA_DIR to the data directory"
         )
     e = cfg.eval
-    local = e.dataset is not None and not e.dataset.startswith("hf:")  # hf:<name>: read from the hub
-    if e.name != "none" and local and not Path(e.dataset).expanduser().is_file():
+    local = e is not None and e.dataset is not None and not e.dataset.startswith("hf:")  # hf: the hub
+    if local and not Path(e.dataset).expanduser().is_file():
         add(
             f"eval.dataset {e.dataset!r} does not exist (resolved: {Path(e.dataset).resolve()}): pass "
             "data.path=<file> (dsv4rl eval) or eval.dataset=<file>, set DSV4RL_DATA_DIR, or use eval=none"

@@ -28,7 +28,7 @@ def check_quant(cfg: Config, add: Add) -> None:
             "set quant.block_size=[128,128]"
         )
     if engine == RolloutEngineKind.sglang:  # the reference engine holds its checkpoint as stored
-        for problem in sglang_env.env_problems(q.name.value, engine_env(cfg)):
+        for problem in sglang_env.env_problems(q.name, engine_env(cfg)):
             add(problem)
     v = cfg.sync.verify
     if v.checksum and engine == RolloutEngineKind.sglang:
@@ -76,7 +76,7 @@ def check_checkpoint_format(cfg: Config, add: Add) -> None:
         add(str(error))
         return
     if cfg.parallel.rollout.engine == RolloutEngineKind.sglang:
-        for problem in sglang_env.checkpoint_problems(cfg.quant.name.value, engine_env(cfg), stored.experts):
+        for problem in sglang_env.checkpoint_problems(cfg.quant.name, engine_env(cfg), stored.experts):
             add(problem)
     elif stored.mode != cfg.quant.name:
         fix = f"set quant={stored.mode.value}" if stored.mode is not None else "convert it"

@@ -12,6 +12,7 @@ from dsv4rl.config.schema import (
     LAYER_TYPES,
     MLP_TYPES,
     Config,
+    EvalSet,
     GraderName,
     LRSchedule,
     OptimizerName,
@@ -132,7 +133,7 @@ def check_optim(cfg: Config, add: Add) -> None:
 def _longest_sequence(cfg: Config) -> tuple[int, str]:
     """The longest sequence the model sees, and the key of its response cap (training's or the eval's)."""
     new_tokens, key = cfg.algo.sampling.max_new_tokens, "algo.sampling.max_new_tokens"
-    if cfg.eval.name != "none" and cfg.eval.sampling.max_new_tokens > new_tokens:
+    if cfg.eval is not None and cfg.eval.sampling.max_new_tokens > new_tokens:
         new_tokens = cfg.eval.sampling.max_new_tokens
         key = f"eval.sampling.max_new_tokens (eval={cfg.eval.name})"
     return cfg.data.max_prompt_len + new_tokens, key
@@ -192,7 +193,7 @@ def check_model(cfg: Config, add: Add) -> None:
 
 
 def check_data_reward_eval(cfg: Config, add: Add) -> None:
-    d, r, e = cfg.data, cfg.reward, cfg.eval
+    d, r = cfg.data, cfg.reward
     if d.name != "tiny_arith" and d.path is None:
         add(f"data.name={d.name!r} reads a file: set data.path=<jsonl or parquet file>")
     if d.path is not None and not d.path.endswith(DATA_SUFFIXES):
@@ -208,43 +209,51 @@ def check_data_reward_eval(cfg: Config, add: Add) -> None:
         add(f"reward.grader={r.grader!r} is unknown; choose one of {', '.join(GRADERS)}")
     if r.timeout_s <= 0:
         add(f"reward.timeout_s must be > 0 (got {r.timeout_s})")
+    if d.holdout < 0:
+        add(f"data.holdout must be >= 0 (got {d.holdout})")
+    if cfg.eval is not None:
+        check_eval(cfg, add)
+
+
+def check_eval(cfg: Config, add: Add) -> None:
+    """The eval set of a recipe that has one (`eval` not null)."""
+    from dsv4rl.eval.data import TEMPLATES
+
+    d, e = cfg.data, cfg.eval
     if e.grader not in GRADERS:
         add(f"eval.grader={e.grader!r} is unknown; choose one of {', '.join(GRADERS)}")
     if e.every_steps < 0:
         add(f"eval.every_steps must be >= 0 (got {e.every_steps}; 0: no periodic evaluation)")
-    if d.holdout < 0 or e.holdout < 0:
-        add(f"data.holdout and eval.holdout must be >= 0 (got {d.holdout}, {e.holdout})")
-    if e.name != "none":
-        from dsv4rl.eval.data import EVAL_SETS, TEMPLATES
-
-        if e.name not in EVAL_SETS:
-            add(
-                f"eval.name={e.name!r} is not an eval set; choose one of "
-                f"{', '.join(sorted(EVAL_SETS))} or none"
-            )
-        elif e.dataset is None and e.name != "tiny_arith":
-            add(f"eval.name={e.name!r} needs its data: data.path=<file> (dsv4rl eval), eval.dataset=<file>, "
-                "or DSV4RL_DATA_DIR")  # fmt: skip
-        if e.holdout and e.dataset == d.path and d.holdout < e.holdout:
-            add(
-                f"eval.holdout={e.holdout} scores the last {e.holdout} rows of {d.path}, but training reads "
-                f"all but the last data.holdout={d.holdout}: set data.holdout={e.holdout} so it never trains "
-                "on them"
-            )
-        if e.max_problems is not None and e.max_problems < 1:
-            add(f"eval.max_problems must be >= 1 or null (got {e.max_problems})")
-        template = e.prompt_template
-        if template is not None and template not in TEMPLATES and "{problem}" not in template:
-            add(
-                f"eval.prompt_template={template!r} is neither a named template ({', '.join(TEMPLATES)}) "
-                "nor a text with a {problem} placeholder"
-            )
-        if e.samples_per_problem < 1:
-            add(f"eval.samples_per_problem must be >= 1 (got {e.samples_per_problem})")
-        bad_k = [k for k in e.k if not 1 <= k <= e.samples_per_problem]
-        if bad_k or not e.k:
-            add(f"eval.k values must be in 1..samples_per_problem={e.samples_per_problem} (got {list(e.k)})")
-        _check_sampling("eval.sampling", e.sampling, add)
+    if e.holdout < 0:
+        add(f"eval.holdout must be >= 0 (got {e.holdout})")
+    if e.name not in list(EvalSet):
+        add(
+            f"eval.name={e.name!r} is not an eval set; choose one of "
+            f"{', '.join(EvalSet)}, or eval=none for no evaluation"
+        )
+    elif e.dataset is None and e.name != EvalSet.tiny_arith:
+        add(f"eval.name={e.name!r} needs its data: data.path=<file> (dsv4rl eval), eval.dataset=<file>, "
+            "or DSV4RL_DATA_DIR")  # fmt: skip
+    if e.holdout and e.dataset == d.path and d.holdout < e.holdout:
+        add(
+            f"eval.holdout={e.holdout} scores the last {e.holdout} rows of {d.path}, but training reads "
+            f"all but the last data.holdout={d.holdout}: set data.holdout={e.holdout} so it never trains "
+            "on them"
+        )
+    if e.max_problems is not None and e.max_problems < 1:
+        add(f"eval.max_problems must be >= 1 or null (got {e.max_problems})")
+    template = e.prompt_template
+    if template is not None and template not in TEMPLATES and "{problem}" not in template:
+        add(
+            f"eval.prompt_template={template!r} is neither a named template ({', '.join(TEMPLATES)}) "
+            "nor a text with a {problem} placeholder"
+        )
+    if e.samples_per_problem < 1:
+        add(f"eval.samples_per_problem must be >= 1 (got {e.samples_per_problem})")
+    bad_k = [k for k in e.k if not 1 <= k <= e.samples_per_problem]
+    if bad_k or not e.k:
+        add(f"eval.k values must be in 1..samples_per_problem={e.samples_per_problem} (got {list(e.k)})")
+    _check_sampling("eval.sampling", e.sampling, add)
 
 
 def check_run(cfg: Config, add: Add) -> None:

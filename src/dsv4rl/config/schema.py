@@ -10,9 +10,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TypeVar
 
 
-class Task(StrEnum):
+class Choice(StrEnum):
+    """A fixed set of choices of the schema. A member prints as its value, in messages too (`{x!r}`
+    gives 'aime24', as the recipe spells it)."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+E = TypeVar("E", bound=StrEnum)
+
+
+def choice(kind: type[E], value: object, key: str) -> E:
+    """`value` as one of `kind`'s members, or a ValueError naming `key` and the choices. Code that takes a
+    setting from outside a composed recipe (an argument, a request) turns it into the schema's enum here."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{key}={value!r} is unknown; choose one of {', '.join(kind)}") from None
+
+
+class Task(Choice):
     """What a run's trainer-side process does (`dsv4rl train`, `dsv4rl align`, `dsv4rl eval`)."""
 
     train = "train"
@@ -20,31 +41,31 @@ class Task(StrEnum):
     eval = "eval"  # one evaluating process in the trainer's place (dsv4rl.eval.worker)
 
 
-class ProcessRole(StrEnum):
+class ProcessRole(Choice):
     """A node supervisor's child: a rollout engine (a server) or the trainer side (watched for progress)."""
 
     engine = "engine"
     trainer = "trainer"
 
 
-class TrainBackend(StrEnum):
+class TrainBackend(Choice):
     fsdp = "fsdp"
     megatron = "megatron"
 
 
-class RolloutEngineKind(StrEnum):
+class RolloutEngineKind(Choice):
     reference = "reference"  # dsv4rl's CPU reference engine (same HTTP protocol as SGLang)
     sglang = "sglang"
 
 
-class SyncTransport(StrEnum):
+class SyncTransport(Choice):
     """How a weight sync's buckets reach the engines (chosen by `parallel.colocate`)."""
 
     broadcast = "broadcast"  # /update_weights_from_distributed: a broadcast over the weight-update group
     tensor = "tensor"  # /update_weights_from_tensor: handles to shared memory (CUDA IPC on GPUs), colocated
 
 
-class MemoryTag(StrEnum):
+class MemoryTag(Choice):
     """What an engine gives back in /release_memory_occupation (SGLang 0.5.23's `srt/constants.py`)."""
 
     kv_cache = "kv_cache"
@@ -52,23 +73,23 @@ class MemoryTag(StrEnum):
     cuda_graph = "cuda_graph"
 
 
-class CommBackend(StrEnum):
+class CommBackend(Choice):
     gloo = "gloo"
     nccl = "nccl"  # RCCL on ROCm builds of torch
 
 
-class Dtype(StrEnum):
+class Dtype(Choice):
     float32 = "float32"
     bfloat16 = "bfloat16"
 
 
-class RecomputeMode(StrEnum):
+class RecomputeMode(Choice):
     none = "none"
     full = "full"
     selective = "selective"
 
 
-class QuantMode(StrEnum):
+class QuantMode(Choice):
     """The weight format on the wire, which is also the format of the checkpoint the engines serve."""
 
     none = "none"  # the trainer's own dtype (an unquantized checkpoint)
@@ -76,12 +97,17 @@ class QuantMode(StrEnum):
     fp8_rollout = "fp8_rollout"  # FP8 e4m3 128x128 blocks for the quantized linears and the routed experts
     fp8_mxfp4 = "fp8_mxfp4"  # the released checkpoint: FP8 blocks, routed experts MXFP4 (e2m1, 1x32 scales)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the mode sends quantized tensors with scales (an FP8 checkpoint on the engines)."""
+        return self in (QuantMode.fp8_rollout, QuantMode.fp8_mxfp4)
 
-class ScaleFormat(StrEnum):
+
+class ScaleFormat(Choice):
     ue8m0 = "ue8m0"  # power-of-two block scales (the only rule DeepSeek-V4's kernels use)
 
 
-class ExpertScaleDtype(StrEnum):
+class ExpertScaleDtype(Choice):
     """The dtype of routed-expert scales on the wire; `auto` takes the one the engine holds."""
 
     auto = "auto"
@@ -89,35 +115,35 @@ class ExpertScaleDtype(StrEnum):
     float32 = "float32"
 
 
-class LossAggregation(StrEnum):
+class LossAggregation(Choice):
     token_mean = "token_mean"  # DAPO: every token of the batch weighs the same
     seq_mean_token_mean = "seq_mean_token_mean"  # original GRPO: mean per sequence, then over sequences
     seq_mean_token_sum = "seq_mean_token_sum"  # Dr.GRPO-style constant normaliser
 
 
-class KLEstimator(StrEnum):
+class KLEstimator(Choice):
     k1 = "k1"
     k2 = "k2"
     k3 = "k3"  # low-variance estimator
 
 
-class AlgorithmName(StrEnum):
+class AlgorithmName(Choice):
     """The recipe's algorithm family (its `algo` group); the loss reads the individual keys it sets."""
 
     grpo = "grpo"
     dapo = "dapo"
 
 
-class OptimizerName(StrEnum):
+class OptimizerName(Choice):
     adamw = "adamw"  # Adam with decoupled weight decay (megatron-core's "adam" optimizer is this too)
 
 
-class LRSchedule(StrEnum):
+class LRSchedule(Choice):
     constant = "constant"
     cosine = "cosine"  # after warmup, decay to lr * min_lr_ratio at the last optimizer step
 
 
-class PauseMode(StrEnum):
+class PauseMode(Choice):
     """How SGLang's /pause_generation treats in-flight requests while weights change."""
 
     abort = "abort"
@@ -125,7 +151,7 @@ class PauseMode(StrEnum):
     in_place = "in_place"  # kept with their (stale) KV cache
 
 
-class SyncLoadFormat(StrEnum):
+class SyncLoadFormat(Choice):
     """How a bucket crosses the wire: SGLang's `load_format` of /update_weights_from_distributed and
     /update_weights_from_tensor."""
 
@@ -133,7 +159,7 @@ class SyncLoadFormat(StrEnum):
     flattened_bucket = "flattened_bucket"  # one uint8 buffer per bucket: one collective per request
 
 
-class GraderName(StrEnum):
+class GraderName(Choice):
     arith = "arith"
     dapo = "dapo"  # "Answer: X" on the last line, DAPO's rule
     answer_line = "answer_line"
@@ -141,12 +167,22 @@ class GraderName(StrEnum):
     math_verify = "math_verify"
 
 
-class ClusterKind(StrEnum):
+class EvalSet(Choice):
+    """The eval sets dsv4rl reads (`dsv4rl.eval.data`); `eval: null` (the `eval=none` option) runs none."""
+
+    tiny_arith = "tiny_arith"  # every a+b problem of the tiny model (procedural)
+    aime24 = "aime24"
+    math500 = "math500"
+    gsm8k = "gsm8k"
+    dapo_math_holdout = "dapo_math_holdout"  # the last rows of DAPO-Math-17K, held out of training
+
+
+class ClusterKind(Choice):
     local = "local"
     slurm = "slurm"
 
 
-class DeviceKind(StrEnum):
+class DeviceKind(Choice):
     """The accelerator of every node; `dsv4rl plan` sizes memory and step time against its data sheet
     (`dsv4rl.estimate.devices`). cpu: nothing is estimated."""
 
@@ -397,7 +433,7 @@ class RewardConfig:
 class EvalConfig:
     """An eval set (`dsv4rl eval <name>`, and every `every_steps` steps of training)."""
 
-    name: str = "none"  # none | tiny_arith | aime24 | math500 | gsm8k | dapo_math_holdout
+    name: EvalSet = EvalSet.tiny_arith
     # A .jsonl/.parquet file, or "hf:<owner>/<name>" for the Hugging Face hub (needs `datasets` and a network)
     dataset: str | None = None
     grader: GraderName = GraderName.math_verify
@@ -550,7 +586,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig | None = None  # no eval set: nothing is evaluated
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     align: AlignConfig = field(default_factory=AlignConfig)

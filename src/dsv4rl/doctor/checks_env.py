@@ -221,7 +221,7 @@ def check_sglang_env(ctx: Context) -> Check:
             )
         return Check("env.sglang", Status.PASS, detail)
     env = {**ctx.facts.env, **engine_env(cfg)}  # what the planner hands an SGLang engine
-    problems = sglang_env.env_problems(cfg.quant.name.value, env)
+    problems = sglang_env.env_problems(cfg.quant.name, env)
     inherited = [k for k in shell_sglang if k not in engine_env(cfg)]
     if problems:
         source = f" (from this shell: {_show(inherited, env)})" if inherited else ""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from dsv4rl.config.schema import PauseMode, choice
 from dsv4rl.engine.sampling import SamplingParams, edit_logits, sample
 from dsv4rl.faults import heartbeat
 from dsv4rl.wire.seed import mix_seed
@@ -33,7 +34,6 @@ _DONE_LOCK = threading.Lock()  # GenRequest.done is made by a waiter and set by 
 
 log = logging.getLogger("dsv4rl.engine")
 
-PAUSE_MODES = ("abort", "retract", "in_place")
 ABORT_RUNNING = "Aborted"
 ABORT_WAITING = "Abort in waiting queue"
 DEFAULT_DETERMINISTIC_SEED = 42  # SGLang's seed for requests without sampling_seed (sampling_batch_info.py)
@@ -70,7 +70,7 @@ class GenRequest:
     @property
     def done(self) -> threading.Event:
         """Set once the request has finished. Made on first use: only in-process callers (the warmup, the
-        health check, benches) wait on it, and an event per sequence cost a 512-sequence request 2 ms."""
+        health check, benches) wait on it, and an event per sequence is a cost every large request paid."""
         with _DONE_LOCK:
             if self._done is None:
                 self._done = threading.Event()
@@ -124,7 +124,7 @@ class Generator:
         self._running: list[GenRequest] = []
         self._rids: dict[str, GenRequest] = {}
         self._paused = False
-        self._pause_mode: str | None = None
+        self._pause_mode: PauseMode | None = None
         self._writers = 0
         self._counter = 0
         self._stop = False
@@ -172,14 +172,13 @@ class Generator:
     def paused(self) -> bool:
         return self._paused
 
-    def pause(self, mode: str = "abort") -> None:
+    def pause(self, mode: PauseMode | str = PauseMode.abort) -> None:
         """Stop taking work; `abort` returns once the running batch has ended."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"unknown pause mode {mode!r}; choose from {list(PAUSE_MODES)}")
+        mode = choice(PauseMode, mode, "pause mode")
         with self._cond:
             self._paused = True
             self._pause_mode = mode
-            if mode == "abort":
+            if mode == PauseMode.abort:
                 self._abort_matching(lambda r: True)
                 self._cond.wait_for(lambda: not self._running)
             self._cond.notify_all()
@@ -212,7 +211,7 @@ class Generator:
         with self._cond:
             if self._running:
                 return True
-            return bool(self._waiting) and self._pause_mode != "retract"
+            return bool(self._waiting) and self._pause_mode != PauseMode.retract
 
     def wait_idle(self, timeout: float) -> bool:
         with self._cond:
@@ -397,7 +396,7 @@ class Generator:
                 live = [r for r in batch if not r.finished]
                 if not live or self._stop:
                     return []
-                if self._paused and self._pause_mode == "retract":
+                if self._paused and self._pause_mode == PauseMode.retract:
                     for request in reversed(live):
                         request.num_retractions += 1
                         request.started = False
@@ -405,7 +404,7 @@ class Generator:
                     self._running = []
                     self._cond.notify_all()
                     return []
-                if self._paused and self._pause_mode == "in_place":
+                if self._paused and self._pause_mode == PauseMode.in_place:
                     self._cond.wait()
                     continue
                 return batch

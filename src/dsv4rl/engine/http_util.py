@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from dsv4rl.config.schema import PauseMode
 
 
 class BadRequest(Exception):
@@ -21,7 +23,7 @@ class Body(BaseModel):
 
 
 class PauseBody(Body):
-    mode: Literal["abort", "retract", "in_place"] = "abort"
+    mode: PauseMode = PauseMode.abort
 
 
 class AbortBody(Body):

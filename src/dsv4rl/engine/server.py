@@ -156,7 +156,7 @@ def create_app(model_path: str, *, receiver: Any = None, **kwargs: Any) -> FastA
             if status and status >= 400:
                 return JSONResponse({"error": {"message": item.finish_reason["message"]}}, status_code=status)
         answers = [respond(item) for item in call.requests]
-        # orjson: a 512-sequence answer renders in 0.5 ms, where JSONResponse took 3-7 ms
+        # orjson: a many-sequence answer renders several times faster than through JSONResponse
         return Response(orjson.dumps(answers if call.batched else answers[0]), media_type="application/json")
 
     @app.post("/pause_generation")

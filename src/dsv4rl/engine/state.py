@@ -105,8 +105,8 @@ class Engine:
 
     def freeze_gc(self) -> None:
         """SGLang's /freeze_gc: every object alive now (imports, the model, the warmup's) moves to the
-        permanent generation, so a full collection no longer walks them. Without it a full collection
-        in this process took 0.19-0.25 s, a whole generate of the tiny_arith batch, every few requests."""
+        permanent generation, so a full collection no longer walks them: without it one took as long as
+        a whole generate of the tiny_arith batch, every few requests."""
         before = gc.get_count()
         gc.freeze()
         log.info("Freezing GC in the engine process: %d objects frozen (gen0/1/2 counts were %s)",

@@ -225,8 +225,8 @@ class DeepseekWeights(HeldWeights):
         self.model = model
         self.block = block
         self._param_shapes: dict[str, torch.Size] = {}  # of the released parameters
-        # The model's parameters and buffers by name, made once: state_dict() walks every module (1.5 ms of
-        # a tiny model's 4 ms load). Release and restore swap a parameter's data, never the parameter.
+        # The model's parameters and buffers by name, made once: state_dict() walks every module, a large
+        # share of a small model's load. Release and restore swap a parameter's data, never the parameter.
         self._model_state = model.state_dict(keep_vars=True)
         super().__init__(stored, self._dequantize_into_model, served)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsv4rl.config.schema import Config
+from dsv4rl.config.schema import Config, EvalSet
 from dsv4rl.data.arith import ArithProblems
 from dsv4rl.data.datasets import DAPO_TEMPLATE, DatasetError, load_problems, split_holdout
 from dsv4rl.data.problems import Problem
@@ -18,12 +18,12 @@ from dsv4rl.data.problems import Problem
 __all__ = ["EVAL_SETS", "HUB_PREFIX", "EvalDataError", "eval_problems"]
 
 # eval set -> the schema of its rows (DATASETS); tiny_arith is procedural
-EVAL_SETS = {
-    "tiny_arith": None,
-    "aime24": "aime24",
-    "math500": "math500",
-    "gsm8k": "gsm8k",
-    "dapo_math_holdout": "dapo_math",
+EVAL_SETS: dict[EvalSet, str | None] = {
+    EvalSet.tiny_arith: None,
+    EvalSet.aime24: "aime24",
+    EvalSet.math500: "math500",
+    EvalSet.gsm8k: "gsm8k",
+    EvalSet.dapo_math_holdout: "dapo_math",
 }
 HUB_PREFIX = "hf:"
 TEMPLATES = {"dapo": DAPO_TEMPLATE}  # eval.prompt_template by name
@@ -36,9 +36,11 @@ class EvalDataError(ValueError):
 def eval_problems(cfg: Config) -> list[Problem]:
     """The problems `cfg.eval` names, after `holdout`, `max_problems` and the prompt template."""
     e = cfg.eval
+    if e is None:
+        raise EvalDataError(f"the recipe has no eval set: choose one, e.g. eval={EvalSet.aime24.value}")
     if e.name not in EVAL_SETS:
-        raise EvalDataError(f"eval.name={e.name!r} is not an eval set; choose one of {sorted(EVAL_SETS)}")
-    if e.name == "tiny_arith":
+        raise EvalDataError(f"eval.name={e.name!r} is not an eval set; choose one of {', '.join(EvalSet)}")
+    if e.name == EvalSet.tiny_arith:
         problems = list(ArithProblems(cfg.data.arith, cfg.seed))
     elif e.dataset is None:
         raise EvalDataError(f"eval {e.name!r} needs its data: pass data.path=<file> or set DSV4RL_DATA_DIR")

@@ -13,11 +13,10 @@ One heartbeat per process, configured by `dsv4rl.faults.child`; without it these
 module run by hand, a test). The file names the pid, which the supervisor signals for stack dumps.
 
 A configured process writes behind: `enter` and `busy` update the beat and wake a writer thread, which
-replaces the file with the newest beat. Replacing a file by rename costs 0.3-0.7 ms on ext4 (it starts
-the new file's writeback), and a tiny trainer step enters 7 phases while its engine marks 4 pieces of
-work busy and idle: about 5 ms a step, now off the step's path. A writer blocked by a process whose
-main thread holds the GIL leaves the previous phase in the file, which still stops changing: the hang is
-still seen, in the phase before.
+replaces the file with the newest beat. Replacing a file by rename starts the new file's writeback on
+ext4, and a step enters several phases on each side, so the writes stay off the step's path. A writer
+blocked by a process whose main thread holds the GIL leaves the previous phase in the file, which still
+stops changing: the hang is still seen, in the phase before.
 """
 
 from __future__ import annotations

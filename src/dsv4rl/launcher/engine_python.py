@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv4rl.config.schema import Config
+from dsv4rl.config.schema import Config, RolloutEngineKind
 
 SGLANG_VERSION = "0.5.23"  # the release dsv4rl's contract is pinned to (dsv4rl/engine/sglang_contract.json)
 _PROBE_MARK = "DSV4RL_PROBE "
@@ -138,7 +138,7 @@ def interpreter_problems(info: InterpreterInfo, trainer_torch_version: str) -> l
 def node_runs_sglang(cfg: Config, nodes: list[int] | None = None) -> bool:
     from dsv4rl.topology import engines_on_node
 
-    if cfg.parallel.rollout.engine != "sglang":
+    if cfg.parallel.rollout.engine != RolloutEngineKind.sglang:
         return False
     nodes = [cfg.cluster.node_rank] if nodes is None else nodes
     return any(engines_on_node(cfg, node) for node in nodes)

@@ -133,10 +133,10 @@ def _cpu_threads(
     threads, so the same numbers, as on one node).
 
     The synchronous loop takes turns: the trainer waits while the engines generate and the engines idle
-    while it trains, so each side splits every core between its own processes (on 2 cores, 2 threads
-    train the tiny model about a third faster than 1 and generate about 30 % faster). Async rollouts overlap
-    the two, and OpenMP threads of one process spin while another's want the cores (2 threads each was
-    2.5x slower there), so every process keeps an equal share."""
+    while it trains, so each side splits every core between its own processes (more threads make both the
+    training and the generation faster). Async rollouts overlap the two, and OpenMP threads of one process
+    spin while another's want the cores (much slower when each takes every core), so every process keeps
+    an equal share."""
     if cfg.cluster.gpus_per_node > 0 or "OMP_NUM_THREADS" in env:
         return env, env
     if on_one_machine(cfg):

@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.schema import ClusterKind, Config
+from dsv4rl.config.schema import ClusterKind, Config, RolloutEngineKind, SyncTransport
 from dsv4rl.launcher.engine_python import engine_python
 from dsv4rl.launcher.estimate_view import (
     memory_json,
@@ -129,7 +129,7 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
         "engine": {
             "kind": cfg.parallel.rollout.engine.value,
             # SGLang's interpreter (its own environment); the reference engine runs in this one
-            "python": engine_python(cfg) if cfg.parallel.rollout.engine == "sglang" else None,
+            "python": engine_python(cfg) if cfg.parallel.rollout.engine == RolloutEngineKind.sglang else None,
             "reproducible_sampling": cfg.engine.reproducible_sampling,
             "keys_file": str(engine_keys_file(run_dir)) if engines_need_keys(cfg) else None,
             "weight_sync_timeout_s": cfg.sync.timeout_s,
@@ -176,7 +176,7 @@ def _layout_text(layout: dict[str, Any]) -> str:
         f"stage {s['stage']} from rank {s['rank']} at {s['address'] or '?'}:{s['port']} ({s['group_name']})"
         for s in layout["weight_sync_sources"]
     )
-    if layout.get("weight_sync_transport") == "tensor":
+    if layout.get("weight_sync_transport") == SyncTransport.tensor:
         ranks = ", ".join(f"stage {s['stage']} from rank {s['rank']}" for s in layout["weight_sync_sources"])
         senders = (
             f"colocated, by tensor handles (/update_weights_from_tensor): {ranks}; the engines release "

@@ -2,7 +2,7 @@
 
 The tiny model has no checkpoint to download: the launcher builds it from its seed, and engines and
 trainers load the same files, exactly as they would the released checkpoint. Building needs transformers,
-whose import alone takes about 10 s on a 2-core machine; so a built directory is also kept in a per-user
+whose import alone takes seconds; so a built directory is also kept in a per-user
 cache (`DSV4RL_CACHE_DIR`, default `~/.cache/dsv4rl`; set it to an empty string to turn the cache off),
 keyed by the settings, the torch/transformers/safetensors versions and dsv4rl's model and quantization
 code, and later runs copy it without importing transformers. This module imports neither torch nor

@@ -27,7 +27,6 @@ from torch import Tensor
 
 from dsv4rl.config.schema import QuantMode
 from dsv4rl.model.naming import CheckpointKind, checkpoint_kind, scale_name
-from dsv4rl.quant.formats import QUANTIZED_MODES
 from dsv4rl.quant.fp8 import DEFAULT_BLOCK, quantize_fp8_blocks
 from dsv4rl.quant.mxfp4 import quantize_mxfp4
 from dsv4rl.quant.scales import E8M0
@@ -51,7 +50,7 @@ class WireFormat:
 
     @property
     def quantized(self) -> bool:
-        return self.mode in QUANTIZED_MODES
+        return QuantMode(self.mode).quantized
 
     def encode(self, name: str, tensor: Tensor) -> list[NamedTensor]:
         """What the engine gets for native tensor `name`: [(name, tensor)] or [(name, q), (name.scale, s)]."""

@@ -10,11 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dsv4rl.config.schema import QuantMode
 from dsv4rl.quant.fp8 import DEFAULT_BLOCK, E4M3, dequantize_fp8_blocks
 from dsv4rl.quant.mxfp4 import dequantize_mxfp4
-
-QUANTIZED_MODES = (QuantMode.fp8_rollout, QuantMode.fp8_mxfp4)
 
 
 def dequantize(

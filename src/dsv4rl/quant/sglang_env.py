@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from dsv4rl.config.schema import Config
+from dsv4rl.config.schema import Config, QuantMode
 
 FP4_EXPERTS = "SGLANG_DSV4_FP4_EXPERTS"
 FP4_DEQUANT = "SGLANG_DSV4_FP4_DEQUANT"
@@ -91,7 +91,7 @@ def engine_env(cfg: Config) -> dict[str, str]:
     }
 
 
-def env_problems(quant: str, env: Mapping[str, str]) -> list[str]:
+def env_problems(quant: QuantMode, env: Mapping[str, str]) -> list[str]:
     """Why SGLang engines with `env` would fail or corrupt weights for quant mode `quant`; each names the fix.
 
     Reads only the recipe (any machine); `checkpoint_problems` adds what the checkpoint itself says.
@@ -102,7 +102,7 @@ def env_problems(quant: str, env: Mapping[str, str]) -> list[str]:
             env_flag(env, name, False)
         except ValueError as error:
             problems.append(str(error))
-    if problems or quant not in ("fp8_rollout", "fp8_mxfp4"):
+    if problems or not QuantMode(quant).quantized:
         return problems
     if env_flag(env, FP8_WO_A_GEMM, True):
         problems.append(
@@ -117,18 +117,18 @@ def env_problems(quant: str, env: Mapping[str, str]) -> list[str]:
             f"{FP4_DEQUANT}=1 cannot be combined with {FLYDSL_MEGA_MOE}=1 (the aiter MegaMoE); "
             "drop one of them"
         )
-    if quant == "fp8_mxfp4" and dequant:
+    if quant == QuantMode.fp8_mxfp4 and dequant:
         problems.append(
             f"quant=fp8_mxfp4 sends MXFP4 experts, but {FP4_DEQUANT}=1 makes SGLang convert its experts "
             f"to FP8 at load: drop {FP4_DEQUANT} or use quant=fp8_rollout"
         )
-    elif quant == "fp8_mxfp4" and fp4_off:
+    elif quant == QuantMode.fp8_mxfp4 and fp4_off:
         problems.append(
             f"quant=fp8_mxfp4 sends MXFP4 experts, but {FP4_EXPERTS}=0 tells SGLang the checkpoint holds "
             "FP8 experts (it converts nothing; with the released MXFP4 checkpoint it fails at start-up): "
             f"remove it (~quant.engine_env.{FP4_EXPERTS}, or from comm.env)"
         )
-    if quant == "fp8_rollout" and not (dequant or fp4_off):
+    if quant == QuantMode.fp8_rollout and not (dequant or fp4_off):
         problems.append(
             "quant=fp8_rollout sends FP8 experts, but SGLang serves a DeepSeek-V4 checkpoint's experts "
             f"as MXFP4 unless told otherwise: set +quant.engine_env.{FP4_DEQUANT}=1 for the released "
@@ -137,10 +137,10 @@ def env_problems(quant: str, env: Mapping[str, str]) -> list[str]:
     return problems
 
 
-def checkpoint_problems(quant: str, env: Mapping[str, str], checkpoint_experts: str) -> list[str]:
+def checkpoint_problems(quant: QuantMode, env: Mapping[str, str], checkpoint_experts: str) -> list[str]:
     """What goes wrong when SGLang with `env` serves a checkpoint whose experts are `checkpoint_experts`
     (MXFP4, FP8 or UNQUANTIZED) and the trainer sends quant mode `quant`."""
-    quantized = quant in ("fp8_rollout", "fp8_mxfp4")
+    quantized = QuantMode(quant).quantized
     if quantized and checkpoint_experts == UNQUANTIZED:
         return [
             f"quant={quant} sends FP8 weights, but model.path holds an unquantized checkpoint: SGLang "
@@ -158,7 +158,7 @@ def checkpoint_problems(quant: str, env: Mapping[str, str], checkpoint_experts: 
         held = expert_format(env, checkpoint_experts)
     except ValueError:
         return []  # env_problems reports the unparsable variable
-    if quant == "fp8_mxfp4" and checkpoint_experts == FP8:
+    if quant == QuantMode.fp8_mxfp4 and checkpoint_experts == FP8:
         return [
             "quant=fp8_mxfp4 sends MXFP4 experts, but model.path holds FP8 experts: use quant=fp8_rollout"
         ]

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from dsv4rl.config.schema import RewardConfig
+from dsv4rl.config.schema import GraderName, RewardConfig, choice
 from dsv4rl.reward.normalize import last_answer_line, last_boxed, normalize_final_answer
 from dsv4rl.reward.verify_pool import VerifyPool, verify_answer
 
@@ -144,36 +144,35 @@ class MathVerifyGrader:
         self.__init__(**state)
 
 
-GRADERS = {
-    "arith": ArithGrader,
-    "dapo": DapoGrader,
-    "answer_line": AnswerLineGrader,
-    "boxed": BoxedGrader,
-    "math_verify": MathVerifyGrader,
+GRADERS: dict[GraderName, type] = {
+    GraderName.arith: ArithGrader,
+    GraderName.dapo: DapoGrader,
+    GraderName.answer_line: AnswerLineGrader,
+    GraderName.boxed: BoxedGrader,
+    GraderName.math_verify: MathVerifyGrader,
 }
 _OPTIONS = {
-    "arith": ("correct", "incorrect"),
-    "dapo": ("correct", "incorrect", "tail_chars"),
-    "answer_line": ("correct", "incorrect"),
-    "boxed": ("correct", "incorrect"),
-    "math_verify": ("correct", "incorrect", "timeout_s", "num_workers"),
+    GraderName.arith: ("correct", "incorrect"),
+    GraderName.dapo: ("correct", "incorrect", "tail_chars"),
+    GraderName.answer_line: ("correct", "incorrect"),
+    GraderName.boxed: ("correct", "incorrect"),
+    GraderName.math_verify: ("correct", "incorrect", "timeout_s", "num_workers"),
 }
 
 
-def get_grader(name: str, *, reward: RewardConfig | None = None, **kwargs) -> Grader:
+def get_grader(name: GraderName | str, *, reward: RewardConfig | None = None, **kwargs) -> Grader:
     """A grader by name; unknown names or options raise ValueError listing what is accepted.
 
     `reward` (a recipe's reward section) supplies correct/incorrect (and timeout_s for math_verify);
     explicit keyword arguments override it.
     """
-    if name not in GRADERS:
-        raise ValueError(f"unknown grader {name!r}; choose one of {sorted(GRADERS)}")
+    name = choice(GraderName, name, "grader")
     unknown = sorted(set(kwargs) - set(_OPTIONS[name]))
     if unknown:
         raise ValueError(f"grader {name!r} does not take {unknown}; it accepts {list(_OPTIONS[name])}")
     if reward is not None:
         defaults = {"correct": reward.correct, "incorrect": reward.incorrect}
-        if name == "math_verify":
+        if name == GraderName.math_verify:
             defaults["timeout_s"] = reward.timeout_s
         kwargs = {**defaults, **kwargs}
     return GRADERS[name](**kwargs)

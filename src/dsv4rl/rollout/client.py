@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import orjson
 
+from dsv4rl.config.schema import PauseMode, choice
 from dsv4rl.faults import heartbeat
 
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -149,7 +150,7 @@ class EngineClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         headers = self._headers(admin)
         content = None
-        if body is not None:  # orjson: a 512-sample /generate body in 0.3 ms, where json took 2 ms
+        if body is not None:  # orjson: a many-sample /generate body costs a fraction of json's time
             content = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
             headers["Content-Type"] = "application/json"
         attempts = 1 + (self.retries if retry else 0)
@@ -294,10 +295,8 @@ class EngineClient:
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         await self._control("/abort_request", {"rid": rid, "abort_all": abort_all})
 
-    async def pause_generation(self, mode: str = "abort") -> Any:
-        if mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"pause mode must be one of abort, retract, in_place; got {mode!r}")
-        return await self._control("/pause_generation", {"mode": mode})
+    async def pause_generation(self, mode: PauseMode | str = PauseMode.abort) -> Any:
+        return await self._control("/pause_generation", {"mode": choice(PauseMode, mode, "pause mode").value})
 
     async def continue_generation(self) -> Any:
         return await self._control("/continue_generation", {})

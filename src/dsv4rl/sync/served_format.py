@@ -22,7 +22,6 @@ from dsv4rl.config.schema import ExpertScaleDtype, QuantConfig, QuantMode, Rollo
 from dsv4rl.model.native_checkpoint import CheckpointError, CheckpointFormat, checkpoint_format
 from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.quant import sglang_env
-from dsv4rl.quant.formats import QUANTIZED_MODES
 from dsv4rl.quant.fp8 import E4M3
 from dsv4rl.quant.scales import E8M0
 from dsv4rl.sync.errors import WeightSyncError, engine_name
@@ -68,7 +67,7 @@ def wire_format_for(quant: QuantConfig, served: Sequence[tuple[str, ServedFormat
                 f"engine {engine} serves {what} (from {fmt.source}), but the recipe sends "
                 f"quant={quant.name.value}: {fix} start the engines from a {quant.name.value} checkpoint"
             )
-        elif fmt.mode in QUANTIZED_MODES and tuple(quant.block_size) != fmt.block:
+        elif QuantMode(fmt.mode).quantized and tuple(quant.block_size) != fmt.block:
             problems.append(
                 f"engine {engine} holds FP8 blocks of {list(fmt.block)} (from {fmt.source}), but "
                 f"quant.block_size={list(quant.block_size)}: set quant.block_size={list(fmt.block)}"

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from dsv4rl.config.schema import SyncLoadFormat, SyncTransport
+from dsv4rl.config.schema import CommBackend, PauseMode, SyncConfig, SyncLoadFormat, SyncTransport, choice
 from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.sync.errors import WeightSyncError, engine_name
 from dsv4rl.sync.loop_thread import LoopThread
@@ -48,12 +48,10 @@ from dsv4rl.sync.transports.tensor import TensorTransport
 from dsv4rl.wire.checksum import checksums
 from dsv4rl.wire.engine_api import EngineAPI
 from dsv4rl.wire.layout import FLATTENED_BUCKET, NamedTensor, sort_for_flattening
-from dsv4rl.wire.process_group import BACKENDS
 
 __all__ = ["SyncStats", "WeightSync", "WeightSyncError"]
 
 log = logging.getLogger("dsv4rl.sync")
-PAUSE_MODES = ("abort", "retract", "in_place")
 OPEN_SESSION = "opening the weight-update session (pause_generation when pausing, begin_weight_update)"
 
 
@@ -103,13 +101,13 @@ class WeightSync:
     def __init__(
         self,
         clients: Sequence[EngineAPI],
-        sync_cfg: Any,
-        backend: str,
+        sync_cfg: SyncConfig,
+        backend: CommBackend | str,
         master_address: str,
         master_port: int,
         *,
         engine_ranks: Sequence[int] | None = None,
-        load_format: str | None = None,
+        load_format: SyncLoadFormat | str | None = None,
         device: torch.device | str | None = None,
         wire_format: WireFormat | None = None,
         group_name: str | None = None,
@@ -118,22 +116,14 @@ class WeightSync:
     ) -> None:
         if not clients:
             raise ValueError("WeightSync needs at least one engine client")
-        backend = str(backend).lower()
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown weight-sync backend {backend!r}; choose from {list(BACKENDS)}")
-        if sync_cfg.pause_mode not in PAUSE_MODES:
-            raise ValueError(
-                f"sync.pause_mode must be one of {list(PAUSE_MODES)}, got {sync_cfg.pause_mode!r}"
-            )
-        if sync_cfg.bucket_bytes <= 0:
-            raise ValueError(f"sync.bucket_bytes must be positive, got {sync_cfg.bucket_bytes}")
-        if sync_cfg.timeout_s <= 0:
-            raise ValueError(f"sync.timeout_s must be positive, got {sync_cfg.timeout_s}")
-        chosen = str(load_format if load_format is not None else sync_cfg.load_format)
-        if chosen not in list(SyncLoadFormat):
-            raise ValueError(
-                f"load_format must be one of {[f.value for f in SyncLoadFormat]}, got {chosen!r}"
-            )
+        # the recipe's values are validated once (dsv4rl.checks); here they only become the schema's enums
+        backend = choice(CommBackend, str(backend).lower(), "comm.backend")
+        self.pause_mode = choice(PauseMode, sync_cfg.pause_mode, "sync.pause_mode")
+        chosen = choice(
+            SyncLoadFormat,
+            load_format if load_format is not None else sync_cfg.load_format,
+            "sync.load_format",
+        )
         load_format = None if chosen == SyncLoadFormat.per_tensor else FLATTENED_BUCKET  # SGLang's values
         ranks = [1] * len(clients) if engine_ranks is None else [int(r) for r in engine_ranks]
         if len(ranks) != len(clients) or any(r < 1 for r in ranks):
@@ -151,7 +141,9 @@ class WeightSync:
         self.pause = pause
         self.transport_kind = SyncTransport(transport)
         if device is None:
-            device = "cpu" if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+            device = (
+                "cpu" if backend == CommBackend.gloo else torch.device("cuda", torch.cuda.current_device())
+            )
         self.device = torch.device(device)
         # Held around each bucket's transfer. Several senders share the engines through one lock
         # (dsv4rl.sync.stages): an engine takes one request at a time, so two buckets in flight to two
@@ -258,8 +250,8 @@ class WeightSync:
 
     def _open_session(self) -> list[tuple[Any, cf.Future]]:
         """Send each engine its session-opening requests (pause, when `pause`, then begin) without waiting
-        for the answers: a push gathers and packs its first bucket meanwhile (a tiny model's sync waited
-        6 ms for them, as long as the packing takes)."""
+        for the answers: a push gathers and packs its first bucket meanwhile (for a small model the round
+        trips take about as long as the packing)."""
         with self._lock:
             self._check_usable()
             loop = self._loop()
@@ -267,7 +259,7 @@ class WeightSync:
 
     async def _open_engine_session(self, client: EngineAPI) -> Any:
         if self.pause:
-            await client.pause_generation(mode=self.cfg.pause_mode)
+            await client.pause_generation(mode=self.pause_mode)
         return await client.begin_weight_update()
 
     def _abandon_after(self, opening: list[tuple[Any, cf.Future]]) -> None:
@@ -323,7 +315,7 @@ class WeightSync:
     def flush_with_update(self) -> bool:
         """An in_place pause keeps the paused requests and their (now stale) KV: SGLang refuses to flush
         while requests are held, so the cache is kept (the price of in_place)."""
-        return not (self.pause and self.cfg.pause_mode == "in_place")
+        return not (self.pause and self.pause_mode == PauseMode.in_place)
 
     def _check_usable(self) -> None:
         if self.transport is None:

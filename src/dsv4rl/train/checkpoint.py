@@ -74,9 +74,9 @@ def _checkpoint_group() -> Iterator[dist.ProcessGroup | None]:
     Gloo runs a collective's tensor copies on its own worker threads. With more than one intra-op thread,
     each of those workers starts an OpenMP team of its own and keeps it while the thread lives. Once
     libgomp manages more threads than there are cores, it stops spinning at its barriers (GOMP_SPINCOUNT's
-    throttled count), so every parallel op of every later training step sleeps and wakes its threads: on
-    2 cores, 2-thread train steps went from 1.5 s to 2.0-2.5 s after one save, with 100x the context
-    switches. Destroying the group joins its worker threads, and that ends their teams.
+    throttled count), so every parallel op of every later training step sleeps and wakes its threads
+    (train steps a third slower or worse after one save). Destroying the group joins its worker threads,
+    and that ends their teams.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
         yield None

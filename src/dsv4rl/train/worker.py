@@ -66,7 +66,7 @@ def build_driver(
         cfg.model if cfg.model.path is None else replace(cfg.model, tokenizer=model_path)
     )
     evaluator = None
-    if cfg.eval.name != "none" and cfg.eval.every_steps > 0:
+    if cfg.eval is not None and cfg.eval.every_steps > 0:
         evaluator = PeriodicEval(cfg, clients, tokenizer, event_loop, run_dir)
     return Driver(
         clients=clients,
@@ -147,8 +147,8 @@ def connect(cfg: Config, weight_sync: StagedWeightSync, driver: Driver | None, m
 
 def freeze_own_gc() -> None:
     """Collect, then move every object alive before the first step (imports, the model, the process
-    groups) out of the collector's reach: a full collection otherwise walks all of them, 0.1-0.2 s a time
-    in the middle of a step. What the steps allocate is still collected."""
+    groups) out of the collector's reach: a full collection otherwise walks all of them, a pause in the
+    middle of a step. What the steps allocate is still collected."""
     gc.collect()
     gc.freeze()
     log.info("froze %d objects out of the garbage collector", gc.get_freeze_count())

@@ -161,7 +161,7 @@ class BroadcastTransport:
             for client in self.clients
         ]
         # The requests carry only names, dtypes and shapes: the engines parse and check them while the
-        # tensors are packed here (a tiny model's 1 MB bucket takes 1-3 ms to pack)
+        # tensors are packed here
         try:
             tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
             if self.load_format == FLATTENED_BUCKET:

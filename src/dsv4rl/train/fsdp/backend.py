@@ -5,7 +5,8 @@ code runs with gloo on CPU and nccl/rccl on GPUs. Every public method is collect
 it, with the same number of sequences in `train_step` (shard the global batch with TrainBatch.shard).
 
 With one rank there is nothing to shard, and the model stays a plain module: FSDP2's per-layer hooks,
-parameter copies and DTensor dispatch cost a tiny model's step about 10 % (`sharded` says which).
+parameter copies and DTensor dispatch are a measurable share of a small model's step (`sharded` says
+which).
 Checkpoints are the same either way: distributed checkpointing stores whole tensors by their global
 offsets, so a run saved at one world size resumes at another.
 """
