@@ -27,7 +27,7 @@ from dsv4rl.faults.child import child_process
 
 # One worker, as in the real engine: a health probe is a generate too and waits behind a batch.
 # FAKE_LATE_PROBE=1: the supervisor's probes lose the race with the trainer's first generate.
-worker, generated = threading.Lock(), threading.Event()
+worker, generated, probes = threading.Lock(), threading.Event(), []
 late_probe = os.environ.get("FAKE_LATE_PROBE") == "1"
 
 class Engine(http.server.BaseHTTPRequestHandler):
@@ -38,7 +38,10 @@ class Engine(http.server.BaseHTTPRequestHandler):
             with worker, heartbeat.busy("generate"):
                 pass
         elif self.path == "/health_generate":  # the supervisor's probe
-            if late_probe and not generated.wait(timeout=1.0):
+            probes.append(1)
+            if os.environ.get("FAKE_PROBE_503") == "1":  # the supervisor never sees it healthy itself
+                status = 503
+            elif late_probe and not generated.wait(timeout=1.0):
                 status = 503
             elif worker.acquire(timeout=1.0):
                 worker.release()
@@ -211,6 +214,15 @@ def test_an_engine_stuck_in_the_trainers_first_generate_is_named_during_the_star
     )
     assert re.search(named, out), out
     assert "in block_forever" in (tmp_path / "logs" / "stacks-engine-0.txt").read_text()
+
+
+def test_the_startup_wait_ends_once_the_trainer_is_past_its_own(tmp_path):
+    """The trainer waits for its engines itself; once it has left its start phase the supervisor stops
+    probing /health_generate (a real generation on SGLang: one that lands between a rollout and a colocated
+    memory release makes the release fail), even if its own probes never saw the engine healthy."""
+    code, out, sup = supervise(fake_run(tmp_path, "slow", FAKE_PROBE_503="1"), tmp_path, step_timeout_s=30)
+    assert code == 0, out
+    assert "the trainer is past its wait for the engines" in out and "is not healthy" not in out, out
 
 
 def test_a_long_phase_that_keeps_progressing_is_no_hang(tmp_path):

@@ -260,6 +260,19 @@ def test_wait_healthy_aborts_when_process_died(app, client_for):
         run(client_for(app).wait_healthy(30.0, died, min_interval_s=0.01))
 
 
+def test_wait_healthy_stops_probing_once_answered_elsewhere(app, client_for):
+    """A probe is a generation on SGLang: once another process saw the engine answer, none is sent."""
+    app.state.starting = 10**6
+    checks = []
+
+    def answered() -> bool:
+        checks.append(1)
+        return len(checks) > 2
+
+    run(client_for(app).wait_healthy(30.0, answered_elsewhere=answered, min_interval_s=0.01))
+    assert app.state.calls["/health_generate"] == 2
+
+
 def test_client_survives_several_event_loops(app, client_for):
     client = client_for(app)
     assert run(client.health()) and run(client.health())

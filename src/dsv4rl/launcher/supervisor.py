@@ -39,6 +39,7 @@ from rich.panel import Panel
 from rich.text import Text
 
 from dsv4rl.config.schema import ProcessRole
+from dsv4rl.faults.heartbeat import START
 from dsv4rl.launcher.child_faults import ChildFaults
 from dsv4rl.launcher.marker import FINISHED, DoneMarker
 from dsv4rl.launcher.node_liveness import NodeLiveness
@@ -270,11 +271,22 @@ class Supervisor:
                 or self._node_lost(stopped_only=True)
             )
 
+        trainer_saw_them = []
+
+        def trainer_past_its_wait() -> bool:
+            if not trainer_saw_them and self._trainer_past_its_engine_wait():
+                trainer_saw_them.append(True)
+            return bool(trainer_saw_them)
+
         async def one(target: HealthTarget) -> None:
             parts = urlsplit(target.url)
             client = EngineClient(f"{parts.scheme}://{parts.netloc}", retries=0)
             try:
-                await client.wait_healthy(self.startup_timeout_s, lambda: should_abort(target))
+                await client.wait_healthy(
+                    self.startup_timeout_s,
+                    lambda: should_abort(target),
+                    answered_elsewhere=trainer_past_its_wait,
+                )
             finally:
                 await client.aclose()
 
@@ -297,9 +309,19 @@ class Supervisor:
         )
         start = time.monotonic()
         failure = asyncio.run(all_of())
-        if failure is None:
+        if failure is None and trainer_saw_them:
+            self._print(
+                Text(f"the trainer is past its wait for the engines ({time.monotonic() - start:.1f} s)")
+            )
+        elif failure is None:
             self._print(Text(f"engines healthy after {time.monotonic() - start:.1f} s", style="green"))
         return failure
+
+    def _trainer_past_its_engine_wait(self) -> bool:
+        """Whether a trainer of this node left its start phase: it waits for the engines itself, so they
+        answered it, and the supervisor's own probes would only compete with its requests."""
+        seen = self.faults.heartbeats(set(self.tracker.alive(self.tracker.refresh())))
+        return any(item.role == ProcessRole.trainer and item.beat.phase != START for item in seen)
 
     def stop_all(self) -> None:
         """SIGTERM every child's group and orphaned descendants, wait `grace_s`, then SIGKILL the rest."""

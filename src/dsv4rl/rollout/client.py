@@ -224,12 +224,17 @@ class EngineClient:
         *,
         min_interval_s: float = 0.5,
         max_interval_s: float = 2.0,
+        answered_elsewhere: Callable[[], bool] | None = None,
     ) -> None:
-        """Poll /health_generate until 200; raise EngineError on timeout or when `should_abort()` is true."""
+        """Poll /health_generate until 200; raise EngineError on timeout or when `should_abort()` is true.
+        `answered_elsewhere()` true ends the wait without another probe: a probe is a real generation on
+        SGLang, and one that lands between a rollout and a colocated memory release fails the release."""
         start = time.monotonic()
         interval = min_interval_s
         last = "no answer yet"
         while True:
+            if answered_elsewhere is not None and answered_elsewhere():
+                return
             waited = time.monotonic() - start
             if should_abort is not None and should_abort():
                 raise EngineError(
