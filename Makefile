@@ -10,6 +10,14 @@ CPU_TORCH_SPEC ?= torch==2.13.0
 GPU_TORCH_SPEC ?= torch==2.14.1
 TORCH_SPEC ?= $(if $(GPU),$(GPU_TORCH_SPEC),$(CPU_TORCH_SPEC))
 TORCH_INDEX ?=
+# Transformer Engine (GPU=1 with a CUDA torch): megatron-core builds its precision-aware optimizer with it
+# (parallel.train.precision_aware_optimizer). 2.11.0 is the newest release megatron-core 0.16.1's own pin
+# accepts (>=2.9,<2.12). Its torch extension is an sdist built against the installed torch (so
+# --no-build-isolation, setuptools and wheel first); the build takes NVIDIA's prebuilt extension from its
+# GitHub release or compiles with the CUDA toolkit's nvcc (CUDA_HOME). PyPI has no ROCm build: with a ROCm
+# TORCH_INDEX it is skipped, and validation refuses precision_aware_optimizer=true without it (docs/megatron.md).
+TE_SPEC ?= transformer-engine[pytorch]==2.11.0
+INSTALL_TE := $(if $(GPU),$(if $(findstring rocm,$(TORCH_INDEX)),,1))
 # SGLang in its own environment: it pins transformers 5.19 and torch 2.14.1, the trainer needs transformers 5.23.
 SGLANG_SPEC ?= sglang==0.5.23
 SGLANG_VENV ?= .venv-sglang
@@ -23,6 +31,8 @@ install: $(PY)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e ".[dev,megatron]"
+	$(if $(INSTALL_TE),$(PY) -m pip install setuptools wheel)
+	$(if $(INSTALL_TE),$(PY) -m pip install --no-build-isolation "$(TE_SPEC)")
 
 # The engines' interpreter (engine.python): SGLang with exactly its own pins; not part of `make install` or CI.
 install-sglang:

@@ -211,6 +211,11 @@ def test_plan_dapo_math_all_nodes(supervisor: list[Config]) -> None:
             env = e["env"]  # quant=fp8_rollout's engine environment (quant.engine_env)
             assert env["SGLANG_DSV4_FP4_DEQUANT"] == "1" and env["SGLANG_OPT_FP8_WO_A_GEMM"] == "0"
             assert "PATH" not in e["env"]  # only what the recipe and the plan set
+            # --dtype and the MoE backend on every SGLang engine (auto: SGLANG_DSV4_FP4_DEQUANT demands it)
+            flags = (_flag(e["argv"], "--dtype"), _flag(e["argv"], "--moe-runner-backend"))
+            assert flags == ("bfloat16", "auto")
+            assert e["dtype"] == "bfloat16" and e["moe"]["moe_runner_backend"] == "auto"
+            assert (e["moe"]["resolves_to"], e["moe"]["expert_scale_dtype"]) == ("aiter", "float32")
     assert [e["url"] for e in plan["engines"]] == [
         "http://gpu-a03:30000",
         "http://gpu-a03:30001",

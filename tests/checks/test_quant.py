@@ -32,9 +32,15 @@ def problems(cfg: Config, check_paths: bool = False) -> list[str]:
 
 @pytest.mark.parametrize("quant", ["none", "bf16", "fp8_rollout", "fp8_mxfp4"])
 def test_every_quant_preset_composes_and_validates(quant: str) -> None:
+    """Every preset validates, but fp8_mxfp4 with SGLang: no MoE runner of SGLang 0.5.23 updates MXFP4
+    experts in place (dsv4rl.quant.sglang_moe), so dapo_math refuses it, naming what works."""
     for recipe in ("tiny_arith", "dapo_math"):
         cfg = compose(recipe, [f"quant={quant}"])
         assert cfg.quant.name == QuantMode(quant)
+        if recipe == "dapo_math" and quant == "fp8_mxfp4":
+            (problem,) = problems(cfg)
+            assert "on mi355x" in problem and "SGLANG_DSV4_FP4_DEQUANT=1" in problem
+            continue
         validate(cfg, check_paths=False)
 
 

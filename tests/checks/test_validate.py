@@ -18,6 +18,7 @@ from dsv4rl.config.schema import (
     QuantConfig,
     QuantMode,
     RolloutEngineKind,
+    TinyModelConfig,
     TrainBackend,
 )
 from dsv4rl.model.model_dir import materialize_model
@@ -76,9 +77,11 @@ def test_dapo_math_with_path_checks_names_model_path(dapo: Config) -> None:
 
 
 def test_dapo_math_is_valid_once_the_machine_has_what_it_needs(dapo: Config, tmp_path: Path) -> None:
-    # A native checkpoint in the release's format (FP8 linears, MXFP4 experts), at toy size.
+    # A native checkpoint in the release's format (FP8 linears, MXFP4 experts), at toy size, with the layers
+    # SGLang serves (HCA at compress ratio 128, a 128-token window).
     model = tmp_path / "DeepSeek-V4-Flash"
-    materialize_model(ModelConfig(), str(model), QuantConfig(name=QuantMode.fp8_mxfp4))
+    servable = ModelConfig(tiny=TinyModelConfig(hca_compress_rate=128, sliding_window=128))
+    materialize_model(servable, str(model), QuantConfig(name=QuantMode.fp8_mxfp4))
     (tmp_path / "dapo.parquet").write_bytes(b"")
     (tmp_path / "aime24.jsonl").write_text("")
     dapo.model.path = dapo.model.tokenizer = str(model)

@@ -34,7 +34,8 @@ from dsv4rl.rollout.client import EngineClient
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTRACT = load_contract()
-REFERENCE_ONLY_FLAGS = {"--max-batch-size", "--num-threads"}  # the reference engine's own knobs
+# the reference engine's own knobs
+REFERENCE_ONLY_FLAGS = {"--max-batch-size", "--num-threads", "--emulate-non-idempotent-postprocess"}
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -240,6 +241,19 @@ def test_a_renamed_flag_fails_the_planner_check(flag: str, new_name: str) -> Non
     assert problems_of_planner(contract)
 
 
+def test_the_planned_dtype_and_moe_backend_are_choices_of_the_release() -> None:
+    """--dtype and --moe-runner-backend are checked against SGLang's own choice lists (the contract holds
+    MOE_RUNNER_BACKEND_CHOICES of srt/arg_groups/choices.py); a value the release drops fails."""
+    flags = CONTRACT["server_flags"]
+    assert {"auto", "triton", "aiter", "flashinfer_mxfp4"} <= set(flags["--moe-runner-backend"]["choices"])
+    assert "bfloat16" in flags["--dtype"]["choices"]
+    assert all("--dtype" in argv and "--moe-runner-backend" in argv for argv in sglang_plan_argvs())
+    for flag, value in (("--moe-runner-backend", "auto"), ("--dtype", "bfloat16")):
+        contract = copy.deepcopy(CONTRACT)
+        contract["server_flags"][flag]["choices"].remove(value)
+        assert any(p.startswith(f"{flag} {value}: SGLang accepts") for p in problems_of_planner(contract))
+
+
 def test_a_flag_whose_type_changes_fails_the_planner_check() -> None:
     contract = copy.deepcopy(CONTRACT)
     contract["server_flags"]["--mem-fraction-static"].update(type="int", value_type="int")
@@ -282,7 +296,9 @@ def _wheel(tmp_path: Path) -> Path:
             '    fast: A[bool, "Go fast."] = False\n'
             '    hidden: A[int, Arg(help="x", no_cli=True)] = 0\n'
             '    ratio: A[Optional[float], "A ratio."] = None\n'
+            '    mode: A[str, Arg(help="m", choices=MODES)] = "a"\n'
         ),
+        "sglang/srt/arg_groups/choices.py": 'MODES = [\n    "a",\n    "b",\n]\nadd_modes = MODES.extend\n',
         "sglang/srt/server_args.py": 'parser.add_argument("--config", type=str, help="YAML")\n',
     }
     path = tmp_path / "sglang-9.9.9-py3-none-any.whl"
@@ -323,3 +339,5 @@ def test_extractor_reads_routes_bodies_keys_and_flags_from_a_wheel(tmp_path: Pat
     ]
     assert flag_problems(contract, ["--tensor-parallel-size", "2", "--fast", "--ratio", "0.5"]) == []
     assert flag_problems(contract, ["--port", "x"]) == ["--port x: SGLang parses it as int"]
+    assert flags["--mode"]["choices"] == ["a", "b"]  # a list of srt/arg_groups/choices.py
+    assert flag_problems(contract, ["--mode", "c"]) == ["--mode c: SGLang accepts ['a', 'b']"]

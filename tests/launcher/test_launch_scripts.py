@@ -150,8 +150,10 @@ def test_local_cpu_script_runs_tiny_arith(tmp_path: Path) -> None:
 
 
 def test_gpu_check_dry_run_plans_one_sglang_engine_per_format(tmp_path: Path) -> None:
-    """Without a GPU the check validates and plans each run: real SGLang flags, the tiny FP8-expert
-    checkpoint's environment, the engine interpreter; on a GPU the same arguments go to `dsv4rl align`."""
+    """Without a GPU the check runs its trainer half on the CPU (the same script, gloo) and validates and
+    plans each engine run: real SGLang flags, the tiny FP8-expert checkpoint's environment, the engine
+    interpreter; on a GPU the same arguments go to `dsv4rl align`. fp8_mxfp4, which validation refuses with
+    SGLang (no MoE runner of 0.5.23 updates MXFP4 experts in place), is named and refused."""
     env = {
         **os.environ,
         "DRY_RUN": "1",
@@ -159,17 +161,38 @@ def test_gpu_check_dry_run_plans_one_sglang_engine_per_format(tmp_path: Path) ->
         "PYTHON": sys.executable,
         "DSV4RL": str(Path(sys.executable).with_name("dsv4rl")),
         "SGLANG_PYTHON": "/opt/sglang/bin/python",
+        "FORMATS": "bf16 fp8_rollout fp8_mxfp4",
     }
-    result = subprocess.run(["bash", str(GPU_CHECK)], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = subprocess.run(["bash", str(GPU_CHECK)], capture_output=True, text=True, env=env, timeout=600)
     report = json.loads(result.stdout)
     assert report["dry_run"] is True and list(report["formats"]) == ["bf16", "fp8_rollout", "fp8_mxfp4"]
+    trainer = report["trainer"]
+    assert trainer["ok"] and trainer["device"] == "cpu", trainer
+    assert trainer["checkpoint_resume"]["max_abs_diff_after_one_more_step"] == 0.0
+    assert trainer["bf16_parity"]["bfloat16"]["median_abs_diff"] < 0.015
+    refused = report["formats"].pop("fp8_mxfp4")
+    assert result.returncode == 1 and not refused["ok"], result.stdout + result.stderr
+    assert "SGLANG_DSV4_FP4_DEQUANT=1" in "\n".join(refused["error"])
     for name, entry in report["formats"].items():
         argv = entry["engine_argv"]
         assert entry["ok"] and entry["warnings"] == [], (name, entry)
         assert argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
         assert "--enable-deterministic-inference" in argv
+        assert argv[argv.index("--dtype") + 1] == "bfloat16"
+        # bf16, and the tiny FP8-expert checkpoint: the backend is free, triton re-lays nothing out
+        assert argv[argv.index("--moe-runner-backend") + 1] == "triton"
     assert report["formats"]["fp8_rollout"]["engine_env"] == {
         "SGLANG_OPT_FP8_WO_A_GEMM": "0",
         "SGLANG_DSV4_FP4_EXPERTS": "0",
     }
+
+
+def test_gpu_check_without_sglang_checks_the_trainer_and_says_sglang_was_not(tmp_path: Path) -> None:
+    """A machine without SGLang (no interpreter at SGLANG_PYTHON) runs the trainer half and reports the
+    engine half as skipped instead of failing on it. Here the trainer half runs on the CPU (no GPU)."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
+           "SGLANG_PYTHON": str(tmp_path / "no-sglang" / "python"), "TRAINER_PORT": "29631"}  # fmt: skip
+    result = subprocess.run(["bash", str(GPU_CHECK)], capture_output=True, text=True, env=env, timeout=600)
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and report["trainer"]["ok"], result.stdout + result.stderr
+    assert report["formats"] == {} and "SGLang not checked" in report["engines_skipped"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.schema import Config, RolloutEngineKind
+from dsv4rl.config.schema import Config, Dtype, RolloutEngineKind
 from dsv4rl.launcher.plan import (
     SGLANG_SITE,
     WEIGHT_SYNC_TIMEOUT_ENV,
@@ -115,6 +115,8 @@ def test_sglang_engines_on_gpus():
         "--base-gpu-id", "2",
         "--random-seed", "2",
         "--watchdog-timeout", "1800",
+        "--dtype", "bfloat16",
+        "--moe-runner-backend", "triton",
         "--mem-fraction-static", "0.5",
         "--max-running-requests", "48",
     ]  # fmt: skip
@@ -430,3 +432,104 @@ def test_slurm_header_and_algorithm_come_from_the_recipe():
         "#SBATCH --time=48:00:00",
     ]
     assert cluster_plan(compose("tiny_arith"), [0])["slurm"] is None
+
+
+# ------------------------------------------------------------------------------------------- MoE path, dtype
+def _engine_argvs(cfg: Config) -> list[list[str]]:
+    return [
+        spec.argv
+        for node in range(cfg.cluster.nnodes)
+        for spec in build_local_plan(_on_node(cfg, node), RUN, base_env={}, model_path="/m")
+        if spec.role == "engine"
+    ]
+
+
+def _on_node(cfg: Config, node: int) -> Config:
+    import copy
+
+    c = copy.deepcopy(cfg)
+    c.cluster.node_rank = node
+    return c
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, (flag, argv)
+    return argv[argv.index(flag) + 1]
+
+
+def test_every_sglang_engine_of_the_reference_run_gets_dtype_and_moe_backend() -> None:
+    """dapo_math (MI355X, aiter, fp8_rollout from the MXFP4 release): SGLang asserts auto under
+    SGLANG_DSV4_FP4_DEQUANT=1; auto resolves to aiter, whose re-shuffle is not idempotent, so the plan says
+    a failed push needs fresh engines. The JSON plan shows it on every engine (the issue's acceptance)."""
+    from dsv4rl.config.compose import compose
+    from dsv4rl.launcher.plan_view import cluster_plan
+
+    cfg = compose("dapo_math", ["cluster.node_addrs=[a,b,c,d]"])
+    argvs = _engine_argvs(cfg)
+    assert len(argvs) == 4
+    assert {(_flag(a, "--dtype"), _flag(a, "--moe-runner-backend")) for a in argvs} == {("bfloat16", "auto")}
+    plan = cluster_plan(cfg, nodes=range(4))
+    engines = [p for node in plan["nodes"] for p in node["processes"] if p["role"] == "engine"]
+    assert len(engines) == 4
+    for engine in engines:
+        moe = engine["moe"]
+        assert engine["dtype"] == "bfloat16" and moe["moe_runner_backend"] == "auto"
+        assert (moe["device_family"], moe["aiter"], moe["resolves_to"]) == ("cdna4", True, "aiter")
+        held = (moe["experts"], moe["expert_scale_dtype"], moe["linear_scale_dtype"])
+        assert held == ("fp8", "float32", "float32")
+        assert moe["idempotent"] is False and moe["updatable"] is True and moe["restart_on_failed_push"]
+        assert "sglang/srt/layers/quantization/fp8.py:" in moe["source"]
+    assert [e["moe_runner_backend"] for e in plan["engines"]] == ["auto"] * 4
+    assert "restarted" not in plan["engine"]["restart_on_failed_push"]  # the reason; the view adds the rule
+    assert "not idempotent" in plan["engine"]["restart_on_failed_push"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "backend", "resolves", "idempotent"),
+    [
+        (["cluster.device=h200"], "auto", "triton", True),  # de-quantized once, kept in its Parameters
+        (["quant=bf16"], "triton", "triton", True),  # no aiter shuffle under triton
+        (["cluster.device=h200", "~quant.engine_env.SGLANG_DSV4_FP4_DEQUANT",
+          "+quant.engine_env.SGLANG_DSV4_FP4_EXPERTS=0"], "triton", "triton", True),  # an FP8 checkpoint
+        (["+quant.engine_env.SGLANG_USE_AITER=0"], "auto", "triton", True),  # MI355X without aiter
+        (["cluster.device=cpu", "cluster.gpus_per_node=0"], "auto", None, None),  # the GPU is not named
+    ],
+)  # fmt: skip
+def test_the_moe_backend_follows_quant_and_device(overrides, backend, resolves, idempotent) -> None:
+    from dsv4rl.config.compose import compose
+    from dsv4rl.launcher.plan_view import cluster_plan
+
+    cfg = compose("dapo_math", ["cluster.node_addrs=[a,b,c,d]", *overrides])
+    assert {_flag(a, "--moe-runner-backend") for a in _engine_argvs(cfg)} == {backend}
+    moe = cluster_plan(cfg, nodes=[2])["engine"]["moe"]
+    got = (moe["moe_runner_backend"], moe["resolves_to"], moe["idempotent"])
+    assert got == (backend, resolves, idempotent)
+
+
+def test_engine_dtype_reaches_sglang_only() -> None:
+    cfg = Config(seed=1)
+    cfg.engine.dtype = Dtype.float32
+    assert "--dtype" not in build_local_plan(cfg, RUN, base_env={})[0].argv  # the reference engine
+    cfg.parallel.rollout.engine = RolloutEngineKind.sglang
+    cfg.parallel.rollout.gpus_per_engine, cfg.cluster.gpus_per_node = 1, 2
+    assert _flag(build_local_plan(cfg, RUN, base_env={})[0].argv, "--dtype") == "float32"
+
+
+def test_a_recipe_no_moe_backend_can_update_is_not_planned() -> None:
+    from dsv4rl.config.compose import compose
+
+    cfg = compose("dapo_math", ["quant=fp8_mxfp4", "cluster.device=h200", "cluster.node_rank=2",
+                                "cluster.node_addrs=[a,b,c,d]"])  # fmt: skip
+    with pytest.raises(ValueError, match="flashinfer_mxfp4.*SGLANG_DSV4_FP4_DEQUANT=1"):
+        build_local_plan(cfg, RUN, base_env={})
+
+
+def test_reference_engines_rehearse_a_non_idempotent_sglang_path() -> None:
+    """A reference engine standing in for SGLang on MI355X with aiter emulates its post-processing."""
+    from dsv4rl.config.compose import compose
+
+    cfg = compose("dapo_math", ["parallel.rollout.engine=reference", "cluster.node_rank=2",
+                                "cluster.node_addrs=[a,b,c,d]"])  # fmt: skip
+    argv = build_local_plan(cfg, RUN, base_env={})[0].argv
+    assert argv[1:3] == ["-m", "dsv4rl.engine"] and "--emulate-non-idempotent-postprocess" in argv
+    assert "--emulate-non-idempotent-postprocess" not in build_local_plan(Config(), RUN, base_env={})[0].argv

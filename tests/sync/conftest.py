@@ -86,6 +86,14 @@ def colocated_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
         yield dict(zip(modes, urls, strict=True))
 
 
+@pytest.fixture
+def emulating_engine(tmp_path: Path) -> Iterator[str]:
+    """A fresh engine emulating SGLang's non-idempotent post-processing (a failed push spends it)."""
+    emulate = ["--emulate-non-idempotent-postprocess"]
+    with running_engines(tmp_path, [QuantMode.none], extra_args=emulate) as urls:
+        yield urls[0]
+
+
 def _healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200

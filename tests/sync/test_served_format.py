@@ -37,6 +37,21 @@ def test_sglang_holds_what_its_environment_makes_of_the_checkpoint(checkpoint, e
     assert (served.mode, served.expert_scale_dtype) == (mode, scale)
 
 
+def test_the_moe_runner_decides_the_mxfp4_scale_dtype():
+    """The planner's MoE row: flashinfer_mxfp4 (what auto becomes on Hopper) creates E8M0 expert scales;
+    FP8 experts keep float32 scales under any runner."""
+    from dsv4rl.config.schema import DeviceFamily, ExpertLoad
+    from dsv4rl.quant.sglang_moe import moe_path
+
+    hopper = moe_path(ExpertLoad.mxfp4, DeviceFamily.hopper)
+    served = served_format(RolloutEngineKind.sglang, RELEASE, WO_A, "ckpt", hopper)
+    assert (served.mode, served.expert_scale_dtype) == (QuantMode.fp8_mxfp4, E8M0)
+    dequant = {**WO_A, "SGLANG_DSV4_FP4_DEQUANT": "1"}
+    aiter = moe_path(ExpertLoad.fp4_dequant, DeviceFamily.cdna4, aiter=True)
+    served = served_format(RolloutEngineKind.sglang, RELEASE, dequant, "ckpt", aiter)
+    assert (served.mode, served.expert_scale_dtype) == (QuantMode.fp8_rollout, torch.float32)
+
+
 def test_the_wire_follows_the_engine():
     served = [("http://a", ServedFormat(QuantMode.fp8_mxfp4, torch.float32, (128, 128), "ckpt"))]
     wire = wire_format_for(QuantConfig(name=QuantMode.fp8_mxfp4), served)

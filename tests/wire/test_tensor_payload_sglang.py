@@ -70,3 +70,38 @@ def test_sglang_opens_the_payload_bit_for_bit(tmp_path: Path) -> None:
         for name, t in bucket
     }
     assert opened == {"null": expected, "flattened_bucket": expected}
+
+
+UUID_CHECK = """
+import json, sys, torch
+from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payload
+from sglang.srt.utils.patch_torch import _REDUCE_TENSOR_ARG_DEVICE_INDEX, monkey_patch_torch_reductions
+out = {"device_arg": _REDUCE_TENSOR_ARG_DEVICE_INDEX, "values": None}
+if len(sys.argv) > 1:  # a CUDA payload: opened as SGLang's scheduler opens it (its reductions patched)
+    monkey_patch_torch_reductions()
+    entry = json.load(open(sys.argv[1]))
+    obj = MultiprocessingSerializer.deserialize(normalize_serialized_named_tensor_payload(entry))
+    out["values"] = {name: t.cpu().tolist() for name, t in obj}
+print(json.dumps(out))
+"""
+
+
+def test_sglang_reads_the_device_where_the_payload_puts_its_uuid(tmp_path: Path) -> None:
+    """SGLang's patched rebuild reads the device at the argument the trainer replaces; with a GPU on both
+    sides, SGLang opens a CUDA payload whose handle names the device by UUID."""
+    from dsv4rl.wire.tensor_payload import CUDA_DEVICE_ARG
+
+    script = tmp_path / "uuid.py"
+    script.write_text(UUID_CHECK)
+    argv = [str(SGLANG_PYTHON), str(script)]
+    keep = None
+    if torch.cuda.is_available():
+        payload, keep = pack_bucket([("norm.weight", torch.arange(4.0))], None, torch.device("cuda", 0))
+        (tmp_path / "payload.json").write_text(json.dumps(serialize(payload)))
+        argv.append(str(tmp_path / "payload.json"))
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    opened = json.loads(result.stdout.strip().splitlines()[-1])
+    assert opened["device_arg"] == CUDA_DEVICE_ARG
+    if keep is not None:
+        assert opened["values"] == {"norm.weight": [0.0, 1.0, 2.0, 3.0]}

@@ -1,17 +1,20 @@
 """Rules about this machine and network: paths that must exist, reachable addresses, what the model
-directory allows.
+directory allows, what the trainer's environment has installed.
 
-`check_paths` and `check_model_layout` read the filesystem, so `validate` runs them only with
-`check_paths=True`; `check_cluster_addresses` reads only the recipe and always runs.
+`check_paths`, `check_model_layout` and `check_transformer_engine` read the filesystem or the
+environment, so `validate` runs them only with `check_paths=True`; `check_cluster_addresses` reads only
+the recipe and always runs.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from dsv4rl.checks.parallel import check_megatron_heads
 from dsv4rl.checks.problems import Add
-from dsv4rl.config.schema import Config, TrainBackend
+from dsv4rl.config.schema import Config, RolloutEngineKind, TrainBackend
+from dsv4rl.model.release_config import release_key_problems, sglang_problems
 from dsv4rl.topology import LOOPBACK, engine_nodes, on_one_machine
 
 NODE_ADDRS_FIX = (
@@ -47,18 +50,73 @@ def check_cluster_addresses(cfg: Config, add: Add) -> None:
         )
 
 
+TRANSFORMER_ENGINE_FIX = (
+    "install Transformer Engine in the trainer's environment (CUDA: `make install GPU=1` does; ROCm: "
+    "ROCm's TransformerEngine build, docs/megatron.md) or set parallel.train.precision_aware_optimizer=false"
+)
+
+
+def transformer_engine_problem(cfg: Config) -> str | None:
+    """What `precision_aware_optimizer` needs from this environment on a GPU, if it is missing.
+
+    megatron-core's optimizer config reads Transformer Engine's version for it and, without TE, compares
+    None with a version: a TypeError on every rank once the job has started
+    (`megatron/core/optimizer/optimizer_config.py:383`, `megatron/core/utils.py:348`); without CPU
+    offload it also takes TE's FusedAdam."""
+    t = cfg.parallel.train
+    if t.backend != TrainBackend.megatron or not t.precision_aware_optimizer:
+        return None
+    try:  # TE loads its CUDA libraries on import: a broken build raises more than ImportError
+        import transformer_engine  # noqa: F401
+
+        if not t.optimizer_cpu_offload:
+            from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401
+    except Exception as exc:
+        return (
+            "parallel.train.precision_aware_optimizer=true needs Transformer Engine (megatron-core builds "
+            f"its optimizer with it), and it does not import here ({type(exc).__name__}: {exc}): "
+            f"{TRANSFORMER_ENGINE_FIX}"
+        )
+    return None
+
+
+def check_transformer_engine(cfg: Config, add: Add) -> None:
+    """On a node that trains with megatron's distributed optimizer (GPUs), what it needs must import.
+    Not on a CPU machine: there the megatron backend steps with torch's AdamW and never builds it."""
+    t, c = cfg.parallel.train, cfg.cluster
+    if t.backend != TrainBackend.megatron or not t.precision_aware_optimizer or c.gpus_per_node == 0:
+        return
+    if c.node_rank >= t.nnodes:
+        return  # a rollout-only node (trainer nodes come first) starts no trainer
+    import torch  # only here: a GPU recipe on a training node
+
+    if not torch.cuda.is_available():
+        return
+    problem = transformer_engine_problem(cfg)
+    if problem is not None:
+        add(problem)
+
+
 def check_model_layout(cfg: Config, add: Add) -> None:
-    """What only the model directory tells: the Megatron engine splits its heads and output groups."""
-    if cfg.parallel.train.backend != TrainBackend.megatron or cfg.model.path is None:
+    """What only the model directory tells: whether its release keys state the model transformers' keys do
+    (and, for SGLang engines, whether SGLang builds that model from them: `dsv4rl.model.release_config`),
+    and how the Megatron engine splits its heads and output groups."""
+    if cfg.model.path is None:
         return
     if not (Path(cfg.model.path).expanduser() / "config.json").is_file():
         return  # check_paths names the missing directory (and nothing imports torch for it)
-    from dsv4rl.model.native_checkpoint import CheckpointError, read_config  # torch: only when needed
-
     try:
-        config = read_config(cfg.model.path)
-    except (CheckpointError, OSError, ValueError):
+        config = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
         return  # check_paths reports an unreadable model directory
+    source = f"model.path {cfg.model.path!r}"
+    for problem in release_key_problems(config):
+        add(f"{source}: its config.json's release keys and transformers' keys disagree: {problem}")
+    if cfg.parallel.rollout.engine == RolloutEngineKind.sglang:
+        for problem in sglang_problems(config):
+            add(f"{source} served by SGLang: {problem}")
+    if cfg.parallel.train.backend != TrainBackend.megatron:
+        return
     heads = config.get("num_attention_heads", config.get("n_heads"))
     if heads is not None and "o_groups" in config:
         tensor_parallel = cfg.parallel.train.tensor_parallel

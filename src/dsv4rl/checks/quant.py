@@ -1,7 +1,9 @@
 """Quantization rules: the `quant` group against the engines that will hold the weights.
 
 `check_quant` reads only the recipe: block size, SGLang's environment for the chosen mode
-(`dsv4rl.quant.sglang_env`), and verification settings that depend on the engine.
+(`dsv4rl.quant.sglang_env`), whether SGLang's MoE path on `cluster.device` can take updates at all
+(`dsv4rl.quant.sglang_moe`), SGLang's `--dtype` against what the trainer sends, and verification settings
+that depend on the engine.
 `check_checkpoint_format` (a path rule: it reads the checkpoint's safetensors headers) refuses a
 `model.path` whose stored format the chosen mode cannot update.
 """
@@ -12,7 +14,7 @@ from pathlib import Path
 
 from dsv4rl.checks.problems import Add
 from dsv4rl.config.schema import Config, QuantMode, RolloutEngineKind
-from dsv4rl.quant import sglang_env
+from dsv4rl.quant import sglang_env, sglang_moe
 from dsv4rl.quant.sglang_env import engine_env
 
 QUANTIZED = (QuantMode.fp8_rollout, QuantMode.fp8_mxfp4)
@@ -28,8 +30,13 @@ def check_quant(cfg: Config, add: Add) -> None:
             "set quant.block_size=[128,128]"
         )
     if engine == RolloutEngineKind.sglang:  # the reference engine holds its checkpoint as stored
-        for problem in sglang_env.env_problems(q.name, engine_env(cfg)):
+        problems = sglang_env.env_problems(q.name, engine_env(cfg))
+        for problem in problems:
             add(problem)
+        if not problems:  # the MoE path follows from a well-formed environment
+            for problem in sglang_moe.moe_problems(cfg):
+                add(problem)
+        check_engine_dtype(cfg, add)
     v = cfg.sync.verify
     if v.checksum and engine == RolloutEngineKind.sglang:
         add(
@@ -48,6 +55,17 @@ def check_quant(cfg: Config, add: Add) -> None:
         add(
             "sync.verify.max_mean_abs_diff must be > 0, or null for the quant mode's bound "
             f"(got {v.max_mean_abs_diff})"
+        )
+
+
+def check_engine_dtype(cfg: Config, add: Add) -> None:
+    """quant=none sends the trainer's own dtype (`model.dtype`): SGLang engines must hold that dtype, or
+    they refuse the update ("Downcasting not allowed") or cast it."""
+    if cfg.quant.name == QuantMode.none and cfg.engine.dtype != cfg.model.dtype:
+        add(
+            f"quant=none sends {cfg.model.dtype.value} weights (model.dtype), but SGLang engines run "
+            f"--dtype {cfg.engine.dtype.value} (engine.dtype): set engine.dtype={cfg.model.dtype.value}, "
+            f"or send quant=bf16"
         )
 
 

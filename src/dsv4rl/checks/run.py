@@ -20,6 +20,12 @@ from dsv4rl.config.schema import (
     RolloutEngineKind,
     SamplingConfig,
 )
+from dsv4rl.model.release_config import (
+    ReleaseConfigError,
+    release_keys,
+    sglang_problems,
+    tiny_transformers_keys,
+)
 from dsv4rl.topology import data_parallel_size
 
 GRADERS = tuple(GraderName)
@@ -157,6 +163,7 @@ def check_model(cfg: Config, add: Add) -> None:
             unknown = sorted(set(values) - set(allowed))
             if unknown:
                 add(f"model.tiny.{key} has unknown values {unknown}; choose from {', '.join(allowed)}")
+        _check_tiny_release_keys(cfg, add)
         if not 1 <= tiny.num_experts_per_tok <= tiny.n_routed_experts:
             add(
                 f"model.tiny.num_experts_per_tok={tiny.num_experts_per_tok} must be in 1..n_routed_experts="
@@ -190,6 +197,31 @@ def check_model(cfg: Config, add: Add) -> None:
             add(f"model.num_hidden_layers must be >= 1 (got {m.num_hidden_layers})")
         if m.n_routed_experts is not None and m.n_routed_experts < 1:
             add(f"model.n_routed_experts must be >= 1 (got {m.n_routed_experts})")
+
+
+def _check_tiny_release_keys(cfg: Config, add: Add) -> None:
+    """The tiny model's config.json carries the release's keys beside transformers'
+    (`dsv4rl.model.release_config`): they must be able to state its layers, and SGLang engines, which read
+    only them, must build the layers transformers builds."""
+    tiny = cfg.model.tiny
+    n = tiny.num_hidden_layers
+    if len(tiny.layer_types) != n or len(tiny.mlp_layer_types) != n:
+        return  # reported above
+    if not set(tiny.layer_types) <= set(LAYER_TYPES) or not set(tiny.mlp_layer_types) <= set(MLP_TYPES):
+        return
+    keys = tiny_transformers_keys(tiny)
+    try:
+        config = {**keys, **release_keys(keys)}
+    except ReleaseConfigError as error:
+        add(f"model.tiny: {error}")
+        return
+    if cfg.parallel.rollout.engine == RolloutEngineKind.sglang:
+        for problem in sglang_problems(config):
+            add(
+                f"model.tiny with parallel.rollout.engine=sglang: {problem}; set "
+                "model.tiny.csa_compress_rate=4, model.tiny.hca_compress_rate=128 and "
+                "model.tiny.sliding_window=128, or use parallel.rollout.engine=reference"
+            )
 
 
 def check_data_reward_eval(cfg: Config, add: Add) -> None:
@@ -288,6 +320,10 @@ def check_run(cfg: Config, add: Add) -> None:
         "--config": "the planner passes the keys in a --config file, and SGLang takes one",
         "--enable-deterministic-inference": "set engine.reproducible_sampling=true (the client then seeds "
         "every sample; the flag alone makes the samples of a prompt identical)",
+        "--dtype": "set engine.dtype",
+        "--moe-runner-backend": "the planner chooses SGLang's MoE runner from quant and cluster.device, one "
+        "whose weight updates work (docs/weights.md)",
+        "--moe-a2a-backend": "the planner's MoE runner table assumes SGLang's default (none)",
     }
     for flag in [a for a in map(str, eng.extra_args) if a.split("=", 1)[0] in planned]:
         add(f"engine.extra_args has {flag}: {planned[flag.split('=', 1)[0]]}; remove it")

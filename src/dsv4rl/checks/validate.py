@@ -75,6 +75,7 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
         machine.check_paths(cfg, problems.append)
         check_checkpoint_format(cfg, problems.append)
         machine.check_model_layout(cfg, problems.append)
+        machine.check_transformer_engine(cfg, problems.append)
     if len(problems) == 1:
         raise ConfigError(f"recipe {cfg.recipe!r}: {problems[0]}", problems)
     if problems:

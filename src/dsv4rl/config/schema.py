@@ -194,6 +194,39 @@ class DeviceKind(Choice):
     h200 = "h200"
 
 
+class DeviceFamily(Choice):
+    """What SGLang's kernels see of a `DeviceKind` (`dsv4rl.quant.sglang_moe.DEVICE_FAMILY`): the same
+    family runs the same weight post-processing. unknown: cluster.device=cpu (the GPU is not named)."""
+
+    unknown = "unknown"
+    hopper = "hopper"  # sm90, CUDA: H100, H200
+    cdna3 = "cdna3"  # gfx942, ROCm, FP8 as e4m3fnuz: MI300X, MI325X
+    cdna4 = "cdna4"  # gfx950, ROCm, FP8 as e4m3fn: MI355X
+
+
+class ExpertLoad(Choice):
+    """How an SGLang engine gets its routed experts, from `quant` and its environment
+    (`dsv4rl.quant.sglang_moe.expert_load`)."""
+
+    unquantized = "unquantized"  # quant none/bf16: an unquantized checkpoint
+    fp8 = "fp8"  # FP8 experts as stored (an FP8-expert checkpoint, SGLANG_DSV4_FP4_EXPERTS=0)
+    fp4_dequant = "fp4_dequant"  # MXFP4 checkpoint converted to FP8 at load (SGLANG_DSV4_FP4_DEQUANT=1)
+    mxfp4 = "mxfp4"  # MXFP4 experts as stored (the released checkpoint, quant=fp8_mxfp4)
+
+
+class MoeRunnerBackend(Choice):
+    """SGLang 0.5.23's `--moe-runner-backend` values dsv4rl passes or names (its full list is
+    `sglang/srt/arg_groups/choices.py` MOE_RUNNER_BACKEND_CHOICES, pinned in the contract file)."""
+
+    auto = "auto"
+    triton = "triton"
+    aiter = "aiter"
+    deep_gemm = "deep_gemm"
+    flashinfer_mxfp4 = "flashinfer_mxfp4"
+    marlin = "marlin"
+    humming = "humming"
+
+
 # The layer kinds transformers' DeepseekV4Config accepts (recipes name them in model.tiny).
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 MLP_TYPES = ("hash_moe", "moe")
@@ -508,6 +541,9 @@ class EngineConfig:
     # stalls a generate batch.
     freeze_gc: bool = True
     retries: int = 2
+    # SGLang engines' `--dtype` (their activations and unquantized weights). The reference engine computes in
+    # float32 on the dequantized weights whatever this says.
+    dtype: Dtype = Dtype.bfloat16
     extra_args: list[str] = field(default_factory=list)
 
 

@@ -40,6 +40,9 @@ class ServerArgs:
     load_format: str = "auto"
     enable_deterministic_inference: bool = False  # sampling_seed is honoured only with it, as in SGLang
     enable_memory_saver: bool = False  # release_memory_occupation frees memory only with it, as in SGLang
+    # The reference engine's own mode (no SGLang flag): end_weight_update re-lays out the tensors a session
+    # did not re-send, as SGLang's post-processing does on ROCm (dsv4rl.quant.sglang_moe).
+    emulate_non_idempotent_postprocess: bool = False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-memory-saver",
         action="store_true",
         help="let /release_memory_occupation free the weights and KV (refused without it)",
+    )
+    parser.add_argument(
+        "--emulate-non-idempotent-postprocess",
+        action="store_true",
+        help="the reference engine's own mode, not an SGLang flag: end_weight_update corrupts the routed-"
+        "expert and FP8-linear weights the session did not re-send (as SGLang re-shuffles them on ROCm); "
+        "a failed update in a session, or such a close, leaves the engine refusing /generate until restarted",
     )
     parser.add_argument(
         "--config", default=None, help="YAML file of flags (keys as dest names), as in SGLang"

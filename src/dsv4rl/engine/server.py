@@ -78,7 +78,7 @@ def create_app(model_path: str, *, receiver: Any = None, **kwargs: Any) -> FastA
             return Response(status_code=503)
         if os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1") == "0":
             return Response(status_code=200)
-        if engine.memory.refusal():  # released memory: no generate can run (SGLang's would crash)
+        if engine.refusal():  # released memory (SGLang's would crash) or spent weights: nothing may run
             return Response(status_code=503)
         return Response(status_code=200 if await engine.health_generate() else 503)
 

@@ -10,7 +10,9 @@ installs it) and writes `sglang_contract.json` next to this module:
 - `generate_request` and `sampling_params`: the fields of the `/generate` contract gate
   (`sglang/api/v1/api_types.py`; unknown sampling keys are rejected there);
 - `server_flags`: every command-line flag of `sglang.launch_server` (`srt/arg_groups/fields/*.py` plus
-  the flags `srt/server_args.py` registers by hand) with its destination, type, default and action;
+  the flags `srt/server_args.py` registers by hand) with its destination, type, default and action, and its
+  choices when a literal list or a list of `srt/arg_groups/choices.py` gives them (plugins may extend
+  those lists at run time: the contract holds the released ones);
 - `requires`: the wheel's pinned dependencies (torch, transformers, ...).
 
 `make sglang-contract` downloads the wheel (`pip download --no-deps`) and regenerates the file; the
@@ -36,6 +38,7 @@ _HTTP_SERVER = _SRT + "entrypoints/http_server.py"
 _IO_STRUCT = _SRT + "managers/io_struct.py"
 _API_TYPES = "sglang/api/v1/api_types.py"
 _FIELDS_DIR = _SRT + "arg_groups/fields/"
+_CHOICES = _SRT + "arg_groups/choices.py"
 _SERVER_ARGS = _SRT + "server_args.py"
 _ROUTE_METHODS = {"get": ["GET"], "post": ["POST"], "put": ["PUT"], "delete": ["DELETE"], "patch": ["PATCH"]}
 _NOT_QUERY = {"request", "raw_request", "obj", "background_tasks"}
@@ -167,16 +170,38 @@ def _flag_value_type(annotation: str) -> str:
     return {"int": "int", "float": "float", "str": "str", "bool": "bool"}.get(text, "str")
 
 
-def _arg_meta(node: ast.AST) -> dict[str, Any]:
+def _arg_meta(node: ast.AST, named_lists: dict[str, list]) -> dict[str, Any]:
     if isinstance(node, ast.Constant):
         return {}
     if isinstance(node, ast.Call) and ast.unparse(node.func) == "Arg":
-        return {k.arg: _literal(k.value) for k in node.keywords if k.arg}
+        meta = {k.arg: _literal(k.value) for k in node.keywords if k.arg}
+        choices = next((k.value for k in node.keywords if k.arg == "choices"), None)
+        if isinstance(choices, ast.Name) and choices.id in named_lists:
+            meta["choices"] = list(named_lists[choices.id])
+        return meta
     return {}
 
 
-def extract_field_flags(sources: dict[str, str]) -> dict[str, dict]:
-    """Flags derived from `A[type, help | Arg(...)]` fields (SGLang's arg_utils rules)."""
+def named_lists(source: str) -> dict[str, list]:
+    """Module-level `NAME = [literal, ...]` lists of a source (SGLang's choice lists)."""
+    lists = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+            if isinstance(value, list):
+                lists[node.targets[0].id] = value
+    return lists
+
+
+def extract_field_flags(
+    sources: dict[str, str], choice_lists: dict[str, list] | None = None
+) -> dict[str, dict]:
+    """Flags derived from `A[type, help | Arg(...)]` fields (SGLang's arg_utils rules); `choice_lists`
+    resolves `choices=NAME` (`named_lists` of `srt/arg_groups/choices.py`)."""
+    choice_lists = choice_lists or {}
     flags: dict[str, dict] = {}
     for _, source in sorted(sources.items()):
         for node in ast.walk(ast.parse(source)):
@@ -190,7 +215,7 @@ def extract_field_flags(sources: dict[str, str]) -> dict[str, dict]:
             parts = annotation.slice.elts if isinstance(annotation.slice, ast.Tuple) else [annotation.slice]
             if len(parts) < 2:
                 continue
-            meta = _arg_meta(parts[1])
+            meta = _arg_meta(parts[1], choice_lists)
             if meta.get("no_cli"):
                 continue
             name = node.target.id
@@ -272,7 +297,11 @@ def extract_contract(wheel: Path) -> dict[str, Any]:
             for body in sorted({r["body"] for r in routes.values() if r["body"]})
         }
         field_sources = {n: read(n) for n in names if n.startswith(_FIELDS_DIR) and n.endswith(".py")}
-        flags = {**extract_manual_flags(read(_SERVER_ARGS)), **extract_field_flags(field_sources)}
+        choice_lists = named_lists(read(_CHOICES)) if _CHOICES in names else {}
+        flags = {
+            **extract_manual_flags(read(_SERVER_ARGS)),
+            **extract_field_flags(field_sources, choice_lists),
+        }
     return {
         "sglang": version,
         "wheel": Path(wheel).name,

@@ -1,5 +1,14 @@
 """The reference engine's state, what every route handler works on: model, tokenizer, generator, held
-weights and their memory, status, and the weight-update session."""
+weights and their memory, status, and the weight-update session.
+
+With `--emulate-non-idempotent-postprocess` (the reference engine's own mode) the session's close behaves
+as SGLang's on ROCm, where `/end_weight_update` re-shuffles in place every MoE and FP8-linear weight,
+re-sent or not (`sglang/srt/layers/quantization/fp8.py:2163-2174,915-929`): the routed-expert and FP8-linear
+weights the session did not re-send are laid out again, i.e. corrupted. Stricter than SGLang, the engine
+then refuses to generate (`spent`), and so it does once an update fails in a session that already wrote
+weights (SGLang: "partially updated ... discard the whole weights"): such an engine is never silently
+served, it must be restarted.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +31,7 @@ from dsv4rl.engine.generator import Generator, GenRequest
 from dsv4rl.engine.memory import EngineMemory
 from dsv4rl.engine.sampling import SamplingParams
 from dsv4rl.engine.weight_store import DeepseekWeights
+from dsv4rl.model.naming import CheckpointKind, checkpoint_kind
 from dsv4rl.model.native_checkpoint import (
     CheckpointError,
     block_size,
@@ -36,6 +46,8 @@ __all__ = ["READY_LINE", "VERSION", "Engine", "checkpoint_description"]
 log = logging.getLogger("dsv4rl.engine")
 VERSION = "0.5.23"
 READY_LINE = "The server is fired up and ready to roll!"
+RELAID_OUT = (CheckpointKind.routed_expert, CheckpointKind.fp8_linear)  # what SGLang shuffles on ROCm
+RESTART = "restart the engine (`dsv4rl train ... resume=true` starts new ones)"
 
 
 class Engine:
@@ -67,14 +79,56 @@ class Engine:
             deterministic=args.enable_deterministic_inference,
         )
         self.memory = EngineMemory(self.weights, self.generator, memory_saver=args.enable_memory_saver)
-        self.generator.admission = self.memory.refusal  # nothing runs on released memory
+        self.generator.admission = self.refusal  # nothing runs on released memory or spent weights
         self.status = "Starting"
         self.shutting_down = False
         self.session_open = False
+        self.session_sent: set[str] = set()  # tensors written in the open session
+        self.spent: str | None = None  # why the weights must not be served (emulated post-processing)
         self.receiver = receiver
         self.startup_time = time.time()
         self.checksum_snapshot: dict[str, str] | None = None
         self.ready = threading.Event()
+
+    def refusal(self) -> str | None:
+        """Why no request may run now: spent weights, or released memory; None when one may."""
+        return self.spent or self.memory.refusal()
+
+    # ------------------------------------------------------------------------------------------ session
+    def open_session(self) -> None:
+        self.session_open, self.session_sent = True, set()
+
+    def update_failed(self, error: str) -> None:
+        """An update request failed inside the open session. Emulating SGLang's non-idempotent path, a
+        session that already wrote weights leaves them partly updated: the engine is spent."""
+        if self.args.emulate_non_idempotent_postprocess and self.session_open and self.session_sent:
+            self.spend(
+                f"a weight update failed after {len(self.session_sent)} tensors of the session were written "
+                f"({error}): the weights are partly updated (SGLang: 'discard the whole weights')"
+            )
+
+    def close_session(self) -> None:
+        """end_weight_update: with the emulation, lay out again every routed-expert and FP8-linear weight the
+        session did not re-send (SGLang's post-processing runs on every module); the engine is then spent."""
+        sent, self.session_open, self.session_sent = self.session_sent, False, set()
+        if not self.args.emulate_non_idempotent_postprocess:
+            return
+        stale = sorted(
+            name
+            for name in self.weights.state()
+            if name not in sent and not name.startswith("mtp.") and checkpoint_kind(name) in RELAID_OUT
+        )
+        if not stale or self.weights.released:
+            return
+        self.weights.relayout(stale)
+        self.spend(
+            f"end_weight_update post-processed again {len(stale)} weights this session did not re-send (e.g. "
+            f"{stale[0]}), re-laying them out as SGLang does on ROCm: they are corrupt"
+        )
+
+    def spend(self, why: str) -> None:
+        self.spent = f"{why}; {RESTART}"
+        log.error("weights unusable: %s", self.spent)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -1,10 +1,11 @@
 """Weight-update endpoints of the reference engine, as SGLang 0.5.23's `srt/entrypoints/http_server.py`.
 
 Session rules are enforced here, BEFORE the receiver is touched: an update outside a
-begin/end session is refused without joining any broadcast. Blocking receiver calls run in a worker
-thread; updates hold the model (no forward in flight) and, when not paused, wait for in-flight
-requests first, like SGLang's writer lock. A router the server includes; each handler works on the app's
-`Engine`.
+begin/end session is refused without joining any broadcast. The session remembers what it wrote, for
+`--emulate-non-idempotent-postprocess` (`Engine.close_session`); a spent engine opens no new session.
+Blocking receiver calls run in a worker thread; updates hold the model (no forward in flight) and, when not
+paused, wait for in-flight requests first, like SGLang's writer lock. A router the server includes; each
+handler works on the app's `Engine`.
 """
 
 from __future__ import annotations
@@ -122,12 +123,14 @@ async def begin_weight_update(request: Request) -> JSONResponse:
 
     def run() -> bool:
         with generator.exclusive():
-            if engine.session_open:
+            if engine.session_open or engine.spent:
                 return False
-            engine.session_open = True
+            engine.open_session()
             return True
 
     if not await asyncio.to_thread(run):
+        if engine.spent:
+            return result(False, f"the engine's weights are spent: {engine.spent}")
         return result(False, "a weight-update session is already open; call end_weight_update() first")
     return result(True, "Success")
 
@@ -140,7 +143,9 @@ async def end_weight_update(request: Request) -> JSONResponse:
 
     def run() -> bool:
         with generator.exclusive():
-            was_open, engine.session_open = engine.session_open, False
+            was_open = engine.session_open
+            if was_open:
+                engine.close_session()  # SGLang's post-processing of every module
             return was_open
 
     if not await asyncio.to_thread(run):
@@ -197,6 +202,7 @@ async def update_weights_from_distributed(request: Request) -> JSONResponse:
     def run() -> bool:
         with generator.exclusive(), heartbeat.busy("weight_update"):
             receiver.receive(body.names, body.dtypes, body.shapes, body.group_name, body.load_format)
+            engine.session_sent.update(body.names)
             if body.flush_cache and generator.busy():
                 return False
             if body.weight_version is not None:
@@ -210,6 +216,7 @@ async def update_weights_from_distributed(request: Request) -> JSONResponse:
         message = str(exc)
         if not message.startswith("Failed"):
             message = f"Failed to update weights: {message}"
+        engine.update_failed(message)
         return result(False, message)
     if not flushed:
         return result(False, NOT_FLUSHED)
@@ -236,6 +243,7 @@ async def update_weights_from_tensor(request: Request) -> JSONResponse:
         )
         with generator.exclusive(), heartbeat.busy("weight_update"):
             engine.weights.commit(received)
+            engine.session_sent.update(received)
             if body.flush_cache and generator.busy():
                 return False
             if body.weight_version is not None:
@@ -246,6 +254,7 @@ async def update_weights_from_tensor(request: Request) -> JSONResponse:
         flushed = await asyncio.to_thread(run)
     except Exception as exc:
         log.warning("update_weights_from_tensor refused: %s", exc)
+        engine.update_failed(str(exc))
         return result(False, f"Failed to update weights from tensor: {exc}")
     if not flushed:
         return result(False, NOT_FLUSHED)

@@ -167,6 +167,11 @@ class HeldWeights:
             if self._apply is not None:
                 self._apply(self._held, list(received))
 
+    def relayout(self, names: Iterable[str]) -> None:
+        """Permute each named tensor's elements in place (shape and dtype kept), as a weight shuffle run on
+        an already shuffled layout does: the values end up in the wrong places."""
+        self.commit({name: _rolled(self._held[name]) for name in names})
+
     def reset_random(self, skip: Iterable[str] = ()) -> int:
         """SGLang's weights_checker `reset_tensors`: random values everywhere but names containing `skip`."""
         skip = list(skip)
@@ -177,6 +182,13 @@ class HeldWeights:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _rolled(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s elements moved one place along its flattened order (bytes per element kept together)."""
+    size = tensor.element_size()
+    raw = tensor.contiguous().reshape(-1).view(torch.uint8).reshape(-1, size)
+    return raw.roll(1, dims=0).reshape(-1).view(tensor.dtype).reshape(tensor.shape)
 
 
 def _zeros_like(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,9 @@ every node runs trainer ranks and an even share of the engines; otherwise (disag
 
 SGLang engines run in their own interpreter (`engine.python`, see `engine_python`), take the weight-update
 group's timeout from `sync.timeout_s` (through `engine/sglang_site`), and, when they listen beyond
-loopback, the run's api and admin keys (see `engine_keys`).
+loopback, the run's api and admin keys (see `engine_keys`). They get `--dtype` (`engine.dtype`) and the
+MoE runner backend whose weight updates work on `cluster.device` (`dsv4rl.quant.sglang_moe`); reference
+engines rehearsing a recipe whose SGLang path is not idempotent emulate it.
 
 Multi-node runs share `run.dir` (a filesystem every node mounts): each node writes its own config
 (`config-node<r>.yaml`) and trainer log (`logs/trainer-node<r>.log`); engine logs are named by the
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from dsv4rl.config.schema import Config, ProcessRole, RolloutEngineKind, SyncTransport, Task
 from dsv4rl.launcher.engine_python import engine_python
+from dsv4rl.quant import sglang_moe
 from dsv4rl.rollout.engine_keys import engine_keys_file, engines_need_keys
 from dsv4rl.topology import (
     WILDCARD,
@@ -166,6 +169,9 @@ def _shared_engine_flags(cfg: Config, run_dir: Path) -> list[str]:
 
 
 def reference_engine_argv(cfg: Config, model_path: str, port: int, seed: int, run_dir: Path) -> list[str]:
+    """The reference engine; with `--emulate-non-idempotent-postprocess` (its own flag, not SGLang's) when
+    the recipe's SGLang path would re-lay out weights at every session's end."""
+    emulate = ["--emulate-non-idempotent-postprocess"] if sglang_moe.emulates_non_idempotent(cfg) else []
     return [
         sys.executable, "-m", "dsv4rl.engine",
         "--model-path", model_path,
@@ -173,6 +179,7 @@ def reference_engine_argv(cfg: Config, model_path: str, port: int, seed: int, ru
         "--port", str(port),
         "--random-seed", str(seed),
         "--max-batch-size", str(cfg.engine.max_batch_size),
+        *emulate,
         *_shared_engine_flags(cfg, run_dir),
     ]  # fmt: skip
 
@@ -181,8 +188,13 @@ def sglang_argv(
     cfg: Config, model_path: str, port: int, seed: int, base_gpu_id: int, run_dir: Path
 ) -> list[str]:
     """`<engine.python> -m sglang.launch_server` with SGLang 0.5.23's flags (checked against
-    `dsv4rl/engine/sglang_contract.json` by the tests)."""
+    `dsv4rl/engine/sglang_contract.json` by the tests): `--dtype`, and the MoE runner backend of
+    `sglang_moe`'s table (ValueError when no backend takes updates; validation refuses that recipe first)."""
     ro = cfg.parallel.rollout
+    moe = sglang_moe.recipe_moe_path(cfg)
+    refusal = sglang_moe.moe_refusal(cfg)
+    if refusal:
+        raise ValueError(refusal)
     gpus_per_node = cfg.cluster.gpus_per_node
     if gpus_per_node and ro.gpus_per_engine > gpus_per_node:
         raise ValueError(
@@ -199,6 +211,8 @@ def sglang_argv(
         "--base-gpu-id", str(base_gpu_id),
         "--random-seed", str(seed),
         "--watchdog-timeout", f"{ro.watchdog_timeout_s:g}",
+        "--dtype", cfg.engine.dtype.value,
+        "--moe-runner-backend", moe.backend.value,
     ]  # fmt: skip
     if ro.data_parallel > 1:
         # Attention DP inside the TP group; `--dp-size` replicas would break weight updates (dp_size == 1).
@@ -273,6 +287,9 @@ def build_local_plan(
         host = "127.0.0.1" if cfg.engine.host in WILDCARD else cfg.engine.host
         name = f"engine-{global_index}"
         meta = {"port": str(port), "kind": kind.value, "python": argv[0]}
+        if kind == RolloutEngineKind.sglang:
+            meta["dtype"] = cfg.engine.dtype.value
+            meta["moe_runner_backend"] = sglang_moe.recipe_moe_path(cfg).backend.value
         if cfg.cluster.gpus_per_node:
             meta["gpus"] = f"{local * gpe}..{(local + 1) * gpe - 1}"
         specs.append(

@@ -2,7 +2,9 @@
 
 For each node: the processes its supervisor would start (the exact argv, the environment the recipe and
 the plan set - not the caller's own environment -, ports, GPUs), the engines on other nodes it would wait
-for, and the ports it would listen on.
+for, and the ports it would listen on. Every SGLang engine also shows its `--dtype` and its MoE path: the
+runner backend passed, what it resolves to, the expert and linear scale formats SGLang will hold, and
+whether its weight post-processing can be repeated (`dsv4rl.quant.sglang_moe`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.schema import ClusterKind, Config, RolloutEngineKind, SyncTransport
+from dsv4rl.config.schema import ClusterKind, Config, ProcessRole, RolloutEngineKind, SyncTransport
 from dsv4rl.launcher.engine_python import engine_python
 from dsv4rl.launcher.estimate_view import (
     memory_json,
@@ -40,6 +42,7 @@ from dsv4rl.launcher.plan import (
     remote_engine_health,
     trainer_nodes,
 )
+from dsv4rl.quant import sglang_moe
 from dsv4rl.rollout.engine_keys import ADMIN_KEY_ENV, engine_keys_file, engines_need_keys
 from dsv4rl.topology import data_parallel_size, stage_layers, sync_transport, weight_sync_sources
 
@@ -68,6 +71,7 @@ def node_plan(cfg: Config, run_dir: Path, node: int) -> dict[str, Any]:
     if engines_on_node(c, node):
         roles.append("rollout")
     addrs = c.cluster.node_addrs
+    moe = sglang_moe.plan_info(c) if c.parallel.rollout.engine == RolloutEngineKind.sglang else None
     return {
         "node": node,
         "address": addrs[node] if node < len(addrs) else None,
@@ -83,6 +87,9 @@ def node_plan(cfg: Config, run_dir: Path, node: int) -> dict[str, Any]:
                 "gpus": s.meta.get("gpus"),
                 "health_url": s.health_url,
                 "log": str(s.log_path),
+                # SGLang engines: --dtype and the MoE path (runner, held scale formats, idempotence)
+                "dtype": s.meta.get("dtype"),
+                "moe": moe if s.role == ProcessRole.engine else None,
             }
             for s in specs
         ],
@@ -113,10 +120,16 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
         urls: list[str | None] = list(engine_urls(cfg))
     except ConfigError:
         urls = [None] * cfg.parallel.rollout.num_engines
+    sglang = cfg.parallel.rollout.engine == RolloutEngineKind.sglang
+    moe = sglang_moe.plan_info(cfg) if sglang else None
     engines = [
-        {"index": i, "node": node, "port": engine_port(cfg, local), "url": urls[i]}
+        {
+            "index": i, "node": node, "port": engine_port(cfg, local), "url": urls[i],
+            "dtype": cfg.engine.dtype.value if sglang else None,
+            "moe_runner_backend": moe["moe_runner_backend"] if moe else None,
+        }
         for i, (node, local) in enumerate(engine_placement(cfg))
-    ]
+    ]  # fmt: skip
     memory = memory_json(cfg)
     return {
         "recipe": cfg.recipe,
@@ -133,6 +146,12 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
             "reproducible_sampling": cfg.engine.reproducible_sampling,
             "keys_file": str(engine_keys_file(run_dir)) if engines_need_keys(cfg) else None,
             "weight_sync_timeout_s": cfg.sync.timeout_s,
+            # SGLang's --dtype and MoE path (the same for every engine of the run)
+            "dtype": cfg.engine.dtype.value if sglang else None,
+            "moe": moe,
+            # why a failed push must end with fresh engines (post-processing not idempotent), or null
+            "restart_on_failed_push": sglang_moe.restart_reason(cfg),
+            "emulate_non_idempotent_postprocess": sglang_moe.emulates_non_idempotent(cfg),
         },
         "training": training_layout(cfg),
         # per GPU against cluster.device, and the time of a step (dsv4rl.estimate; none on CPU)
@@ -190,6 +209,27 @@ def _layout_text(layout: dict[str, Any]) -> str:
     )
 
 
+def _moe_text(dtype: str, moe: dict[str, Any]) -> str:
+    """One line on what every SGLang engine is given and will hold."""
+    family = moe["device_family"] + (" with aiter" if moe["aiter"] else "")
+    resolves = ""
+    if moe["resolves_to"] is None:
+        resolves = " (resolves on the GPU: device unknown)"
+    elif moe["resolves_to"] != moe["moe_runner_backend"]:
+        resolves = f" (resolves to {moe['resolves_to']})"
+    scales = (
+        f"experts {moe['experts']} with {moe['expert_scale_dtype'] or 'GPU-dependent'} scales, FP8 linears "
+        f"with {moe['linear_scale_dtype']} block scales"
+        if moe["linear_scale_dtype"]
+        else f"experts {moe['experts']}"
+    )
+    repeat = {True: "yes", False: "no", None: "unknown"}[moe["idempotent"]]
+    return (
+        f"SGLang engines on {family}: --dtype {dtype}, --moe-runner-backend {moe['moe_runner_backend']}"
+        f"{resolves}; they hold {scales}; post-processing idempotent: {repeat} ({moe['source']})"
+    )
+
+
 def _env_text(env: dict[str, str]) -> str:
     return "\n".join(f"{k}={v}" for k, v in env.items()) or "-"
 
@@ -215,6 +255,14 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         else "not reproducible on SGLang (no seed sent; engine.reproducible_sampling=true to seed)"
     )
     console.print(f"sampling: {sampling}")
+    if engine["moe"]:
+        console.print(_moe_text(engine["dtype"], engine["moe"]), soft_wrap=True)
+    if engine["restart_on_failed_push"]:
+        console.print(
+            f"a failed weight push stops the run: {engine['restart_on_failed_push']}; the engines must be "
+            "restarted (resume=true starts new ones)",
+            soft_wrap=True,
+        )
     if engine["keys_file"]:
         console.print(
             f"engine api and admin keys: {engine['keys_file']} (mode 0600; ${ADMIN_KEY_ENV} chooses the "

@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 from dsv4rl.config.schema import ModelConfig, QuantConfig
+from dsv4rl.model.release_config import RELEASE_KEYS, release_key_problems
 
 MANIFEST_FILE = "dsv4rl-model.json"
 CACHE_ENV = "DSV4RL_CACHE_DIR"
@@ -46,7 +47,8 @@ def manifest(model_config: ModelConfig, quant: QuantConfig) -> str:
 
 def check_model_dir(model_config: ModelConfig, directory: str | Path, quant: QuantConfig) -> bool:
     """True when `directory` already holds this model in this format; ModelDirMismatch when it holds
-    another; False when there is nothing to reuse."""
+    another, or its config.json lacks or contradicts the release's keys; False when there is nothing to
+    reuse."""
     target = Path(directory)
     if not (target / "config.json").exists():
         return False
@@ -55,6 +57,16 @@ def check_model_dir(model_config: ModelConfig, directory: str | Path, quant: Qua
         raise ModelDirMismatch(
             f"{target} holds a model built from other settings (model.* or quant=) than this recipe's "
             f"(quant={quant.name.value}); choose a new run.dir, or delete that directory to rebuild it"
+        )
+    config = json.loads((target / "config.json").read_text())
+    missing = [key for key in RELEASE_KEYS if key not in config]
+    problems = release_key_problems(config)
+    if missing or problems:
+        what = f"lacks the release's keys {missing}" if missing else "; ".join(problems)
+        raise ModelDirMismatch(
+            f"{target}/config.json {what} (SGLang reads those keys, not transformers'): it was written by "
+            "an earlier dsv4rl or edited since; delete that directory to rebuild it (the same weights, from "
+            "the seed)"
         )
     return True
 

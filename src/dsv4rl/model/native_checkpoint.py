@@ -4,10 +4,11 @@ A native checkpoint directory holds
 - safetensors with the release's tensor names (`embed.weight`, `layers.N.attn.wq_a.weight`,
   `layers.N.ffn.experts.E.w1.weight`, ...), dtypes and shapes, quantized tensors followed by their
   `.scale` (see `dsv4rl.model.wire_format` for which tensor gets which format);
-- `config.json`, the transformers config, with the release's `quantization_config` when quantized
-  (`{"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
-  "activation_scheme": "dynamic"}`; the release does not say how experts are stored, loaders read the
-  safetensors dtype).
+- `config.json`, the transformers config plus the release's keys that SGLang reads instead
+  (`compress_ratios`, `num_hash_layers`, `rope_scaling`, `torch_dtype`, ...: `dsv4rl.model.release_config`),
+  with the release's `quantization_config` when quantized (`{"quant_method": "fp8", "fmt": "e4m3",
+  "scale_fmt": "ue8m0", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}`; the release does
+  not say how experts are stored, loaders read the safetensors dtype).
 This is what SGLang loads, what the reference engine holds, and what the trainer starts from: the trainer
 dequantizes it to its training dtype (`load_native_model`).
 """
@@ -32,6 +33,12 @@ from dsv4rl.model.naming import (
     copy_native_into,
     scale_name,
     state_dict_to_native,
+)
+from dsv4rl.model.release_config import (
+    ReleaseConfigError,
+    check_release_keys,
+    transformers_keys_for_loading,
+    with_release_keys,
 )
 from dsv4rl.model.sinkhorn import use_fast_sinkhorn
 from dsv4rl.model.wire_format import WireFormat
@@ -84,11 +91,20 @@ def write_native_checkpoint(
     config = model.config.to_dict()
     config["architectures"] = [ARCHITECTURE]
     config.pop("_attn_implementation_internal", None)
+    config = with_release_keys(config, checkpoint_dtype(model, wire_format))
     quant = quantization_config(wire_format)
     if quant is not None:
         config["quantization_config"] = quant
     (target / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return target
+
+
+def checkpoint_dtype(model: DeepseekV4ForCausalLM, wire_format: WireFormat) -> str:
+    """The release's `torch_dtype` of a checkpoint: the model's own dtype unquantized (`quant=none`), else
+    bfloat16, that of its unquantized linears (as in the release; SGLang's `--dtype auto` serves it)."""
+    if wire_format.mode == QuantMode.none:
+        return str(next(model.parameters()).dtype).removeprefix("torch.")
+    return "bfloat16"
 
 
 # ------------------------------------------------------------------------------------------------ read
@@ -198,9 +214,21 @@ def checkpoint_format(directory: str | Path) -> CheckpointFormat:
 
 
 # ------------------------------------------------------------------------------------------------ load
+def checked_config(directory: str | Path) -> dict:
+    """config.json, refused (CheckpointError naming each key) when its release keys and transformers' keys
+    state different models: SGLang would serve one, the trainer train the other."""
+    config = read_config(directory)
+    try:
+        check_release_keys(config, f"{Path(directory) / CONFIG_FILE}")
+    except ReleaseConfigError as error:
+        raise CheckpointError(str(error)) from None
+    return config
+
+
 def load_hf_config(directory: str | Path) -> DeepseekV4Config:
-    """The transformers config of a checkpoint, minus its quantization_config (dsv4rl dequantizes itself)."""
-    config = dict(read_config(directory))
+    """The transformers config of a checkpoint, minus its quantization_config (dsv4rl dequantizes itself);
+    a config whose two key sets disagree is refused, and transformers reads its own keys where both exist."""
+    config = transformers_keys_for_loading(checked_config(directory))
     config.pop("quantization_config", None)
     hf_config = DeepseekV4Config.from_dict(config)
     hf_config._attn_implementation = "eager"  # the only attention transformers' DeepSeek-V4 supports
@@ -248,6 +276,7 @@ def load_native_checkpoint(
     `dsv4rl.model.sinkhorn` (the same values, a fraction of the time).
     """
     if not is_native_checkpoint(directory):
+        checked_config(directory)
         model = DeepseekV4ForCausalLM.from_pretrained(str(directory), dtype=dtype)
         model.config._attn_implementation = "eager"
         use_fast_sinkhorn(model)

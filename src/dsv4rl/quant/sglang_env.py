@@ -15,8 +15,9 @@ can use it without torch:
 - `SGLANG_OPT_FP8_WO_A_GEMM` (default 1) keeps `wo_a` in FP8 and re-derives its scales after every
   `load_weights` call; online updates of `wo_a` then fail or corrupt it. With `0`, `wo_a` is dequantised
   to BF16 when its weight and scale arrive in the same request.
-- MXFP4 expert scales are held as E8M0 when aiter is used (`SGLANG_USE_AITER=1` on ROCm), else as float32;
-  FP8 expert scales are float32.
+- MXFP4 expert scales are held as E8M0 when aiter is used (`SGLANG_USE_AITER=1` on ROCm) or the MoE runner
+  is flashinfer_mxfp4, else as float32; FP8 expert scales are float32. Which runner an engine gets, and
+  whether its updates can be repeated, is `dsv4rl.quant.sglang_moe`'s table.
 Booleans parse as SGLang's `EnvBool`: true/1/yes/y and false/0/no/n, case-insensitive.
 """
 
@@ -76,9 +77,13 @@ def expert_format(
     return MXFP4 if fp4 else FP8
 
 
-def expert_scale_dtype(env: Mapping[str, str], held_experts: str) -> str:
-    """The dtype name of the routed-expert scales SGLang holds for `held_experts`."""
-    if held_experts == MXFP4 and env_flag(env, USE_AITER, False):
+def expert_scale_dtype(env: Mapping[str, str], held_experts: str, backend: str | None = None) -> str:
+    """The dtype name of the routed-expert scales SGLang holds for `held_experts` under the MoE runner
+    `backend` it resolved (None: not known). MXFP4 scales are created E8M0 with aiter
+    (`srt/layers/quantization/fp8.py:1697-1699`) and by the flashinfer_mxfp4 CUTLASS method
+    (`mxfp4_flashinfer_cutlass_moe.py:76-84`), float32 otherwise; FP8 block scales are float32
+    (`fp8.py:1721-1729`)."""
+    if held_experts == MXFP4 and (env_flag(env, USE_AITER, False) or backend == "flashinfer_mxfp4"):
         return "float8_e8m0fnu"
     return "float32"
 

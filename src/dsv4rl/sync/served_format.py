@@ -2,7 +2,8 @@
 
 An engine holds its weights in the format of the checkpoint it started from, adjusted by SGLang's
 environment (`dsv4rl.quant.sglang_env`): the reference engine holds the checkpoint as stored; SGLang may
-convert MXFP4 experts to FP8 and holds expert scales as float32 unless it runs aiter on ROCm. The trainer
+convert MXFP4 experts to FP8, and holds expert scales as its MoE runner creates them (E8M0 for MXFP4 under
+aiter or flashinfer_mxfp4, float32 otherwise; the runner is `dsv4rl.quant.sglang_moe`'s row). The trainer
 reads the checkpoint each engine reports in `/model_info` (or the planned `model.path` when that path
 is not readable here), decides what the engine holds, and builds the wire format from it, so the wire
 follows the engine rather than a guess. A recipe whose `quant` differs stops here, naming both.
@@ -24,6 +25,7 @@ from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.quant import sglang_env
 from dsv4rl.quant.fp8 import E4M3
 from dsv4rl.quant.scales import E8M0
+from dsv4rl.quant.sglang_moe import MoePath
 from dsv4rl.sync.errors import WeightSyncError, engine_name
 from dsv4rl.wire.engine_api import EngineAPI
 
@@ -41,9 +43,14 @@ class ServedFormat:
 
 
 def served_format(
-    engine: RolloutEngineKind, checkpoint: CheckpointFormat, env: Mapping[str, str], source: str
+    engine: RolloutEngineKind,
+    checkpoint: CheckpointFormat,
+    env: Mapping[str, str],
+    source: str,
+    moe: MoePath | None = None,
 ) -> ServedFormat:
-    """The format an engine of kind `engine` started from `checkpoint` with `env` holds."""
+    """The format an engine of kind `engine` started from `checkpoint` with `env` holds; `moe`: the SGLang
+    engines' MoE path (the runner decides the dtype of MXFP4 expert scales), None when not known."""
     if engine == RolloutEngineKind.reference:
         return ServedFormat(checkpoint.mode, checkpoint.expert_scale_dtype, checkpoint.block, source)
     held = sglang_env.expert_format(env, checkpoint.experts)
@@ -52,7 +59,8 @@ def served_format(
         mode = {sglang_env.MXFP4: QuantMode.fp8_mxfp4, sglang_env.FP8: QuantMode.fp8_rollout}.get(held)
     scale = None
     if held in (sglang_env.MXFP4, sglang_env.FP8):
-        scale = getattr(torch, sglang_env.expert_scale_dtype(env, held))
+        runner = moe.resolves_to.value if moe is not None and moe.resolves_to is not None else None
+        scale = getattr(torch, sglang_env.expert_scale_dtype(env, held, runner))
     return ServedFormat(mode, scale, checkpoint.block, source)
 
 
@@ -122,8 +130,10 @@ def check_served_formats(
     env: Mapping[str, str],
     model_path: str,
     event_loop: asyncio.AbstractEventLoop,
+    moe: MoePath | None = None,
 ) -> WireFormat:
     """Ask every engine what it serves (`/model_info` -> its checkpoint) and return the wire format to send.
+    `moe`: the SGLang engines' MoE path (`sglang_moe.recipe_moe_path`).
 
     Raises WeightSyncError naming each engine whose format differs from `quant` (before any push).
     """
@@ -134,5 +144,6 @@ def check_served_formats(
     served = []
     for client, info in zip(clients, event_loop.run_until_complete(infos()), strict=True):
         path, checkpoint = _engine_checkpoint(info, model_path)
-        served.append((engine_name(client), served_format(engine, checkpoint, env, f"checkpoint {path}")))
+        fmt = served_format(engine, checkpoint, env, f"checkpoint {path}", moe)
+        served.append((engine_name(client), fmt))
     return wire_format_for(quant, served)

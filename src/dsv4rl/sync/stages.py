@@ -177,7 +177,8 @@ class StagedWeightSync:
         if errors:
             if self.rank == 0:
                 self.sender.abandon_update()
-            raise WeightSyncError("weight sync failed: " + "; ".join(errors))
+            spent = f"\n{self.sender.spent}" if self.sender is not None and self.sender.spent else ""
+            raise WeightSyncError("weight sync failed: " + "; ".join(errors) + spent)
         if self.rank != 0:
             return None
         self.sender.finish_update(version)

@@ -22,6 +22,16 @@ session around them.
 
 Failures never hang for long; when a transfer fails the group is marked broken: `close()` then
 `connect()` again.
+
+A failed push leaves the engines with part of an update. SGLang closes a session by post-processing every
+quantized module again, re-sent or not (`dsv4rl.quant.sglang_moe`). Where that is idempotent the session is
+closed and a later push may run on the same engines. Where it is not (`non_idempotent` says why, e.g. aiter
+re-shuffling MoE weights in place on ROCm), closing would corrupt every module the failed push did not
+re-send, and SGLang itself calls a model whose load failed "partially updated ... discard the whole
+weights" (`sglang/srt/model_executor/model_runner_components/weight_updater.py:331-340`): the session is
+left open (SGLang then refuses any new session on those engines), every later push is refused, and the
+error says the engines must be restarted (`resume=true` starts new ones). The run stops; it never retries
+on the same engines.
 """
 
 from __future__ import annotations
@@ -53,6 +63,12 @@ __all__ = ["SyncStats", "WeightSync", "WeightSyncError"]
 
 log = logging.getLogger("dsv4rl.sync")
 OPEN_SESSION = "opening the weight-update session (pause_generation when pausing, begin_weight_update)"
+RESTART = (
+    "these engines' weight post-processing is not idempotent ({why}): closing the session would re-process "
+    "every module the push did not re-send and corrupt it, so it stays open and the engines keep a partial "
+    "update they cannot repair. Stop the run and restart the engines (`dsv4rl train ... resume=true` starts "
+    "new ones from the last checkpoint); never push to these engines again"
+)
 
 
 @dataclass
@@ -96,6 +112,8 @@ class WeightSync:
     `pause`: pause generation (`sync.pause_mode`) from the session's start to its end.
     `transport`: `broadcast` over a group this sender hosts at `master_address:master_port`, or `tensor`
     (colocated engines: handles over HTTP; the address, port and group are not used).
+    `non_idempotent`: why the engines' post-processing cannot be repeated (`sglang_moe.restart_reason`), or
+    None: a failed push then leaves them `spent` instead of closing their session.
     """
 
     def __init__(
@@ -113,6 +131,7 @@ class WeightSync:
         group_name: str | None = None,
         pause: bool = True,
         transport: SyncTransport = SyncTransport.broadcast,
+        non_idempotent: str | None = None,
     ) -> None:
         if not clients:
             raise ValueError("WeightSync needs at least one engine client")
@@ -151,6 +170,8 @@ class WeightSync:
         self.bucket_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
         self.transport: Transport | None = None
         self._broken: str | None = None
+        self.non_idempotent = non_idempotent
+        self._spent: str | None = None  # why these engines must be restarted; close() keeps it
         self._http: LoopThread | None = None
         self._lock = threading.Lock()
 
@@ -158,6 +179,11 @@ class WeightSync:
     @property
     def connected(self) -> bool:
         return self.transport is not None
+
+    @property
+    def spent(self) -> str | None:
+        """Why these engines must be restarted before any push (a failed push on non-idempotent engines)."""
+        return self._spent
 
     def _loop(self) -> LoopThread:
         if self._http is None:
@@ -189,6 +215,8 @@ class WeightSync:
         """Build the transport of `transport_kind` and connect it: join the broadcast group (every engine
         joins from its POST while this process joins as rank 0), or nothing for tensor handles."""
         with self._lock:
+            if self._spent:
+                raise WeightSyncError(self._spent)
             if self.transport is not None:
                 raise WeightSyncError("already connected; call close() before connect()")
             transport = self._build_transport()
@@ -227,16 +255,25 @@ class WeightSync:
 
         `record_checksums` keeps the sha256 of every tensor as it leaves the pipeline (before the
         transport), for comparison with what the engines hold. On failure the engines stay paused with a
-        partial update and WeightSyncError says what failed.
+        partial update and the error says what failed; on non-idempotent engines it is a WeightSyncError
+        that also says they must be restarted (`spent`).
         """
         start = time.monotonic()
         opening = self._open_session()  # answered while the pipeline builds the first bucket
         try:
             stats = self.send(named_weights, version, record_checksums=record_checksums, opening=opening)
-        except Exception:
+        except Exception as exc:
             self._abandon_after(opening)
+            if self._spent:
+                raise WeightSyncError(f"{exc}\n{self._spent}") from exc
             raise
-        self.finish_update(None)
+        try:
+            self.finish_update(None)
+        except WeightSyncError as exc:
+            if self.non_idempotent is None:
+                raise
+            self._spend()  # a close that failed somewhere: what each engine post-processed is not known
+            raise WeightSyncError(f"{exc}\n{self._spent}") from exc
         stats.seconds = time.monotonic() - start
         log.info(
             "weights %s pushed: %d tensors in %d buckets, %.1f MB in %.2f s (%.3f GB/s)",
@@ -263,7 +300,8 @@ class WeightSync:
         return await client.begin_weight_update()
 
     def _abandon_after(self, opening: list[tuple[Any, cf.Future]]) -> None:
-        """A push failed: once the opening requests are answered, close the sessions that opened."""
+        """A push failed: once the opening requests are answered, abandon the sessions that opened
+        (`abandon_update`: closed, or left open on non-idempotent engines)."""
         cf.wait([future for _, future in opening], timeout=self.cfg.timeout_s + 5)
         if any(future.done() and future.exception() is None for _, future in opening):
             self.abandon_update()
@@ -292,12 +330,21 @@ class WeightSync:
             return stats
 
     def abandon_update(self) -> None:
-        """After a failed send: close the session so a later push can open one; the engines stay paused."""
+        """After a failed send. Idempotent engines: close the session so a later push can open one (the
+        engines stay paused). Others (`non_idempotent`): leave it open, since closing would re-process the
+        modules that were not re-sent, and refuse every later push on these engines (`spent`)."""
         with self._lock:
+            if self.non_idempotent is not None:
+                self._spend()
+                log.error("after a failed push: %s", self._spent)
+                return
             try:
                 self._call_all("end_weight_update")
             except WeightSyncError as exc:
                 log.warning("after a failed push: %s", exc)
+
+    def _spend(self) -> None:
+        self._spent = RESTART.format(why=self.non_idempotent)
 
     def finish_update(self, version: str | None) -> None:
         """Close the session (the engines' post-load processing) and continue generation if paused.
@@ -318,6 +365,8 @@ class WeightSync:
         return not (self.pause and self.pause_mode == PauseMode.in_place)
 
     def _check_usable(self) -> None:
+        if self._spent:
+            raise WeightSyncError(self._spent)
         if self.transport is None:
             raise WeightSyncError("not connected: call connect() before push()")
         if self._broken:
@@ -364,7 +413,7 @@ class WeightSync:
     # ------------------------------------------------------------------------------------------ close
     def close(self) -> None:
         """Close the transport (the broadcast group on the engines and here), and stop the HTTP thread;
-        safe to call twice."""
+        safe to call twice. Spent engines stay spent."""
         with self._lock:
             transport, self.transport, self._broken = self.transport, None, None
             if transport is not None:

@@ -32,11 +32,13 @@ from dsv4rl.model.model_dir import source_model_dir
 from dsv4rl.model.tiny import load_tokenizer
 from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.quant.sglang_env import engine_env
+from dsv4rl.quant.sglang_moe import recipe_moe_path, restart_reason
 from dsv4rl.reward.graders import get_grader
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.colocated import ColocatedEngines
 from dsv4rl.rollout.engines import engine_clients, freeze_engines_gc, wait_for_engines
 from dsv4rl.sync.served_format import check_served_formats
+from dsv4rl.sync.served_model import check_served_models
 from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.sync.verify import SyncVerifier, probe_sequences
 from dsv4rl.sync.weight_sync import WeightSync
@@ -113,6 +115,7 @@ def build_weight_sync(
             group_name=mine.group_name,
             pause=False,  # the loop syncs between rollouts: no request is in flight to pause
             transport=sync_transport(cfg),  # colocated: by tensor handles, no group
+            non_idempotent=restart_reason(cfg),  # a failed push then stops the run: fresh engines needed
         )
     return StagedWeightSync(sources, rank, sender)
 
@@ -129,6 +132,7 @@ def connect(cfg: Config, weight_sync: StagedWeightSync, driver: Driver | None, m
     weight_sync.connect()
 
     def served_format() -> WireFormat | None:
+        check_served_models(driver.clients, cfg.parallel.rollout.engine, model_path, driver.event_loop)
         return check_served_formats(
             driver.clients,
             cfg.quant,
@@ -136,6 +140,7 @@ def connect(cfg: Config, weight_sync: StagedWeightSync, driver: Driver | None, m
             engine_env(cfg),
             model_path,
             driver.event_loop,
+            recipe_moe_path(cfg),
         )
 
     weight_sync.share_wire_format(served_format if driver is not None else None)

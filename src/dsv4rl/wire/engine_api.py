@@ -26,6 +26,10 @@ class EngineAPI(Protocol):
         """GET /model_info (the checkpoint the engine serves)."""
         ...
 
+    async def server_info(self) -> dict:
+        """GET /server_info (the engine's launch arguments, `dtype` among them)."""
+        ...
+
     # ----------------------------------------------------------------------------------- generation
     async def generate(
         self,

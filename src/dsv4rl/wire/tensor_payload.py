@@ -18,6 +18,12 @@ with AuthenticationError); `serialize` pickles under the `file_system` strategy 
 /dev/shm that any local process can map. A segment lives while either side maps it: the sender keeps its
 buffer until the engine answered, the engine copies before answering.
 
+A CUDA handle names its device by UUID, not by index, as SGLang's own patched reductions do
+(`srt/utils/patch_torch.py`: `_reduce_tensor_modified` on the sending side, `_device_from_maybe_uuid` on the
+receiving one; torch's `rebuild_cuda_tensor` takes the device as its 7th argument): a trainer and an engine
+whose CUDA_VISIBLE_DEVICES differ number one GPU differently, and an index would rebuild the tensor on
+another device or fail.
+
 The engine unpickles with an allow-list (SGLang does the same with its SafeUnpickler): torch's tensor and
 storage rebuild functions, dtypes, sizes, plain containers; any other global (code) is refused.
 """
@@ -54,15 +60,22 @@ __all__ = [
     "LOAD_FORMATS",
     "PayloadError",
     "deserialize",
+    "device_uuid",
+    "local_device_index",
     "named_tensors",
     "pack_bucket",
+    "reduce_tensor_by_device_uuid",
     "serialize",
 ]
 
+# The storage device's position among torch's rebuild_cuda_tensor arguments (SGLang's
+# _REDUCE_TENSOR_ARG_DEVICE_INDEX in srt/utils/patch_torch.py)
+CUDA_DEVICE_ARG = 6
 DIRECT = "direct"
 LOAD_FORMATS = (None, DIRECT, FLATTENED_BUCKET)  # what SGLang 0.5.23 loads without a custom loader
 _METADATA_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
 _STRATEGY_LOCK = threading.Lock()
+_TORCH_REDUCE_TENSOR = torch.multiprocessing.reductions.reduce_tensor  # what torch registered for tensors
 
 
 class PayloadError(ValueError):
@@ -108,16 +121,54 @@ def pack_bucket(
 
 
 def serialize(obj: Any) -> str:
-    """MultiprocessingSerializer's base64 string, CPU storages shared as named /dev/shm segments."""
+    """MultiprocessingSerializer's base64 string: CPU storages shared as named /dev/shm segments, CUDA
+    storages as IPC handles whose device is the GPU's UUID."""
     out = io.BytesIO()
+    pickler = ForkingPickler(out)
+    for kind, reducer in list(pickler.dispatch_table.items()):
+        if reducer is _TORCH_REDUCE_TENSOR:  # torch.Tensor, Parameter and the legacy tensor types
+            pickler.dispatch_table[kind] = reduce_tensor_by_device_uuid
     with _STRATEGY_LOCK:  # the strategy is process-wide: switched for this dump only
         previous = torch.multiprocessing.get_sharing_strategy()
         torch.multiprocessing.set_sharing_strategy("file_system")
         try:
-            ForkingPickler(out).dump(obj)
+            pickler.dump(obj)
         finally:
             torch.multiprocessing.set_sharing_strategy(previous)
     return base64.b64encode(out.getvalue()).decode("ascii")
+
+
+def reduce_tensor_by_device_uuid(tensor: torch.Tensor) -> tuple[Any, tuple]:
+    """torch's reduction of `tensor`, with a CUDA storage's device index replaced by the device's UUID."""
+    reductions = torch.multiprocessing.reductions
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if rebuild is reductions.rebuild_cuda_tensor:
+        device = args[CUDA_DEVICE_ARG]
+        args = (*args[:CUDA_DEVICE_ARG], device_uuid(device), *args[CUDA_DEVICE_ARG + 1 :])
+    return rebuild, args
+
+
+def device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_device_index(device: int | str) -> int:
+    """The index, in this process's numbering, of the GPU a handle names (by UUID, or by index)."""
+    if isinstance(device, int):
+        return device
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(index) == device:
+            return index
+    raise PayloadError(
+        f"the payload's tensors live on GPU {device}, which this process cannot see (CUDA_VISIBLE_DEVICES): "
+        "colocated engines must see the trainer's GPUs"
+    )
+
+
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    """torch's rebuild_cuda_tensor, after mapping the device UUID to this process's index."""
+    args = (*args[:CUDA_DEVICE_ARG], local_device_index(args[CUDA_DEVICE_ARG]), *args[CUDA_DEVICE_ARG + 1 :])
+    return torch.multiprocessing.reductions.rebuild_cuda_tensor(*args)
 
 
 # ------------------------------------------------------------------------------------------- receiver
@@ -143,10 +194,11 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     )
     for name in (
         "rebuild_tensor", "rebuild_typed_storage", "rebuild_storage_filename", "rebuild_storage_fd",
-        "rebuild_storage_empty", "rebuild_cuda_tensor", "rebuild_meta_tensor",
+        "rebuild_storage_empty", "rebuild_meta_tensor",
     ):  # fmt: skip
         if hasattr(reductions, name):
             allowed[("torch.multiprocessing.reductions", name)] = getattr(reductions, name)
+    allowed[("torch.multiprocessing.reductions", "rebuild_cuda_tensor")] = _rebuild_cuda_tensor
     return allowed
 
 

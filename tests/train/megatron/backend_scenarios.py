@@ -78,13 +78,15 @@ def main() -> None:
     if rank == 0:
         materialize_model(Config().model, str(model_dir))
     dist.barrier()
-    # the loss features on: 2 updates per step, KL to a reference, entropy bonus, TIS
+    # the loss features on: 2 updates per step, KL to a reference, entropy bonus, TIS; weight decay
+    # (both backends spare the same parameters: dsv4rl.train.weight_decay)
     features = dict(
         algo__updates_per_step=2,
         algo__kl_coef=0.1,
         algo__entropy_coef=0.01,
         algo__tis__enabled=True,
         optim__eps=1e-4,
+        optim__weight_decay=0.1,
     )
     batches = [make_batch(8, seed=10 + step) for step in range(2)]
     results: dict = {"sizes": (tensor, pipeline, expert)}

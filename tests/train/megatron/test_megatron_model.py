@@ -1,5 +1,10 @@
 """DeepSeek-V4 in megatron-core against transformers' DeepseekV4ForCausalLM with the same weights, and
-its TP=2, PP=2 and EP=2 layouts against world size 1 (torchrun, gloo; scenarios.py does the work)."""
+its TP=2, PP=2 and EP=2 layouts against world size 1 (torchrun, gloo; scenarios.py does the work).
+
+Three configs: `tiny` (48 tokens; the indexer keeps every entry), `every_type` (6 layers, each kind
+twice; top-4 of up to 12 entries), `selecting` (160 tokens = 20 sliding windows of 8; the indexer keeps
+8 of up to 40 CSA entries; HCA at ratio 16; two of the four rows right-padded to 131 and 97 tokens).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,9 +22,10 @@ import torch
 
 SCRIPT = Path(__file__).with_name("scenarios.py")
 TIMEOUT_S = 240
-CONFIGS = ("tiny", "every_type")
-# (tensor, pipeline, expert, last stage layers): the tiny model has 3 layers, so PP=2 puts 1 on the last
+CONFIGS = ("tiny", "every_type", "selecting")
+# (tensor, pipeline, expert, last stage layers): tiny and selecting have 3 layers, PP=2 puts 1 on the last
 LAYOUTS = {"tp2": (2, 1, 1, None), "pp2": (1, 2, 1, 1), "ep2": (1, 1, 2, None)}
+LAYOUT_CONFIGS = ("tiny", "selecting")
 
 
 def _free_port() -> int:
@@ -38,10 +45,16 @@ def launch(script: Path, world: int, args: list[str]) -> subprocess.Popen:
 
 
 def _launch(
-    out: Path, config: str, tensor: int, pipeline: int, expert: int, last: int | None
+    out: Path,
+    config: str,
+    tensor: int,
+    pipeline: int,
+    expert: int,
+    last: int | None,
+    dtype: str = "float32",
 ) -> subprocess.Popen:
     args = [str(out), config, str(tensor), str(pipeline), str(expert)] + ([str(last)] if last else [])
-    return launch(SCRIPT, tensor * pipeline * expert, args)
+    return launch(SCRIPT, tensor * pipeline * expert, [*args, "--dtype", dtype])
 
 
 def collect(procs: dict[str, tuple[subprocess.Popen, Path]]) -> dict[str, dict]:
@@ -65,20 +78,24 @@ def collect(procs: dict[str, tuple[subprocess.Popen, Path]]) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def world_one(tmp_path_factory) -> dict[str, dict]:
-    """Both configs at world size 1, concurrently (one process each)."""
+    """Every config at world size 1, concurrently (one process each)."""
     root = tmp_path_factory.mktemp("megatron_w1")
     return collect({c: (_launch(root / f"{c}.pt", c, 1, 1, 1, None), root / f"{c}.pt") for c in CONFIGS})
 
 
 @pytest.fixture(scope="module")
-def two_process(tmp_path_factory) -> dict[str, dict]:
-    """The tiny model at TP=2, PP=2 and EP=2, one layout after the other (2 processes each)."""
+def two_process(tmp_path_factory) -> Callable[[str, str], dict]:
+    """(config, layout) -> that run at TP=2, PP=2 or EP=2 (2 processes), run once when first asked."""
     root = tmp_path_factory.mktemp("megatron_w2")
-    out = {}
-    for name, layout in LAYOUTS.items():
-        path = root / f"{name}.pt"
-        out.update(collect({name: (_launch(path, "tiny", *layout), path)}))
-    return out
+    runs: dict[tuple[str, str], dict] = {}
+
+    def run(config: str, layout: str) -> dict:
+        if (config, layout) not in runs:
+            path = root / f"{config}_{layout}.pt"
+            runs[config, layout] = collect({layout: (_launch(path, config, *LAYOUTS[layout]), path)})[layout]
+        return runs[config, layout]
+
+    return run
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -113,10 +130,40 @@ def test_every_tensor_is_mapped_and_round_trips(world_one, config):
         assert torch.equal(exported[name], tensor), name
 
 
+def test_top_k_selection_happens(world_one):
+    """`selecting` reaches the paths the short configs skip: at the longest position the CSA indexer
+    chooses `index_topk` of many more visible entries, HCA compresses 16 tokens an entry, the sequence
+    spans many sliding windows; and its choices are decided by margins far above float32 noise (two
+    float32 runs of the same scores differ by ~3e-7), so every layout must make the same ones."""
+    result = world_one["selecting"]
+    indexers = [r for r in result["compression"].values() if r["kind"] == "indexer"]
+    assert indexers
+    for record in indexers:
+        assert record["topk"] < record["entries"] == 160 // record["ratio"], record
+        assert record["selected"] == record["topk"], record
+    hca = [r for r in result["compression"].values() if r["kind"] == "compressor" and r["ratio"] >= 16]
+    assert hca and all(r["entries"] == 160 // r["ratio"] for r in hca), result["compression"]
+    assert result["logprobs"].shape[1] + 1 >= 20 * 8  # 20 windows of the tiny configs' 8
+    assert result["top_k_margin"] is not None and result["top_k_margin"] > 1e-6
+
+
+def test_right_padded_rows_equal_the_rows_alone(world_one):
+    """Two rows are right-padded (to 131 and 97 real tokens: CSA and HCA windows end mid-row): their
+    real tokens' log-probs equal transformers' on the row alone, unpadded."""
+    result = world_one["selecting"]
+    assert sorted(result["reference_unpadded"]) == [2, 3]
+    for row, alone in result["reference_unpadded"].items():
+        assert alone.shape[0] == result["lengths"][row] - 1
+        assert (result["logprobs"][row, : alone.shape[0]] - alone).abs().max() < 1e-4, row
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_parallel_layout_equals_world_one(world_one, two_process, layout):
-    single, parallel = world_one["tiny"], two_process[layout]
+@pytest.mark.parametrize("config", LAYOUT_CONFIGS)
+def test_parallel_layout_equals_world_one(world_one, two_process, config, layout):
+    single, parallel = world_one[config], two_process(config, layout)
+    # every stage's compressors and indexers ran, with the same entry and selection counts
+    assert parallel["compression"] == single["compression"]
     assert (parallel["logprobs"] - single["logprobs"]).abs().max() < 1e-5
     assert abs(parallel["loss"] - single["loss"]) <= 1e-5 * abs(single["loss"])
     worst = {name: _relative(parallel["grads"][name], grad) for name, grad in single["grads"].items()}

@@ -32,6 +32,7 @@ from dsv4rl.train import checkpoint as ckpt
 from dsv4rl.train import update
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.update import MicroBatch, MicroLoss
+from dsv4rl.train.weight_decay import param_groups
 
 
 def default_device() -> torch.device:
@@ -72,11 +73,11 @@ class FSDPBackend:
         self.has_reference = self.ref_model is not None
         optim = cfg.optim
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
+            # no decay for norms, sinks, mHC, position biases, the indexer (dsv4rl.train.weight_decay)
+            param_groups(self.model.named_parameters(), optim.weight_decay),
             lr=optim.lr,
             betas=(float(optim.betas[0]), float(optim.betas[1])),
             eps=optim.eps,
-            weight_decay=optim.weight_decay,
             fused=True,  # one kernel for all parameters instead of one per tensor
         )
         self.step = 0  # completed train_step calls

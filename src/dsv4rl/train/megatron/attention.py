@@ -10,6 +10,11 @@ Tensor parallelism splits heads: wq_b is column-parallel, the sinks and wo_a's g
 same way (o_groups must divide by TP), wo_b is row-parallel. wq_a, wkv and the compressors are
 replicated; their outputs pass `shared_by_all_heads`, so every rank's copy receives the gradient
 of all heads.
+
+In bf16 the module rounds where SGLang's kernels do, not where transformers does: the per-head q
+norm and the RoPE run in float32 with float32 tables, KV's norm and RoPE in float32 with one rounding,
+and the attention core (logits, bias, sinks, softmax, the sum over values) in float32, rounded once on
+its output (see `attend`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from dsv4rl.train.megatron import cpu_compat
 from dsv4rl.train.megatron.architecture import AttentionKind, DeepseekV4Architecture
 from dsv4rl.train.megatron.compressor import Compressor, Indexer, RMSNorm, linear, visible_entries
 from dsv4rl.train.megatron.hyper_connection import unweighted_rms_norm
-from dsv4rl.train.megatron.rope import RotaryTables, apply_interleaved_rope
+from dsv4rl.train.megatron.rope import RotaryTables, apply_interleaved_rope, rotate
 
 
 class _SumGradientsOverTensorParallel(torch.autograd.Function):
@@ -153,14 +158,20 @@ class DeepseekV4Attention(MegatronModule):
         batch, seq, _ = hidden.shape
         tables = rope["main" if self.kind == AttentionKind.sliding else "compress"]
         positions = torch.arange(seq, device=hidden.device)
-        cos, sin = tables.at(positions, hidden.dtype)
+        cos, sin = tables.at(positions)  # float32 whatever hidden's dtype (rope.py)
 
         q_compressed = self.q_layernorm(self.linear_q_down_proj(hidden))
         q, _ = self.linear_q_up_proj(q_compressed)
+        # SGLang's q kernel: the norm in float32, rounded once, then RoPE in float32, rounded once
+        # (sglang/kernels/jit/csrc/deepseek_v4/main_norm_rope.cuh:133-151 and 175-197, called from
+        # sglang/srt/models/deepseek_v4.py:1823)
         q = unweighted_rms_norm(q.view(batch, seq, self.local_heads, arch.head_dim), arch.norm_eps)
         q = apply_interleaved_rope(q, cos, sin)
-        kv = self.kv_layernorm(self.linear_kv_proj(hidden)).view(batch, seq, 1, arch.head_dim)
-        kv = shared_by_all_heads(apply_interleaved_rope(kv, cos, sin))
+        # SGLang's KV kernel keeps the weighted norm in float32 through RoPE and rounds once at the store
+        # (sglang/kernels/jit/csrc/deepseek_v4/main_norm_rope.cuh:337-360 and 416-426); transformers
+        # rounds after the norm and again after RoPE (modeling_deepseek_v4.py:832-833)
+        kv = self.kv_layernorm(self.linear_kv_proj(hidden).float()).view(batch, seq, 1, arch.head_dim)
+        kv = shared_by_all_heads(rotate(kv, cos, sin).to(hidden.dtype))
         keys = kv.squeeze(2)  # [B, S, d]
         bias = sliding_window_bias(seq, arch.window, torch.float32, hidden.device).expand(batch, seq, seq)
 
@@ -184,6 +195,7 @@ class DeepseekV4Attention(MegatronModule):
             output = cpu_compat.recompute(self._attend, q, keys, bias)
         else:
             output = self._attend(q, keys, bias)  # [B, S, h, d]
+        # the inverse RoPE on the rounded output, in float32 (sglang/srt/models/deepseek_v4.py:2954-2960)
         output = apply_interleaved_rope(output, cos, -sin)
         grouped = output.reshape(batch * seq, self.local_groups, -1).transpose(0, 1)
         weight = self.linear_o_group_proj.view(self.local_groups, arch.o_lora_rank, -1).transpose(1, 2)
@@ -192,13 +204,26 @@ class DeepseekV4Attention(MegatronModule):
         return out
 
     def _attend(self, q: Tensor, keys: Tensor, bias: Tensor) -> Tensor:
-        """Softmax over keys plus the per-head sink (denominator only); q [B, S, h, d], keys [B, K, d]."""
-        logits = (
-            torch.matmul(q.transpose(1, 2), keys.transpose(-1, -2).unsqueeze(1)) * self.arch.head_dim**-0.5
-        )
-        logits = logits + bias.unsqueeze(1).to(logits.dtype)  # [B, h, S, K]
-        sinks = self.attn_sink.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
-        combined = torch.cat([logits, sinks], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
-        return torch.matmul(probs, keys.unsqueeze(1)).transpose(1, 2)
+        return attend(q, keys, bias, self.attn_sink, self.arch.head_dim**-0.5)
+
+
+def attend(q: Tensor, keys: Tensor, bias: Tensor, sinks: Tensor, scale: float) -> Tensor:
+    """Softmax over keys plus the per-head sink (denominator only); q [B, S, h, d], keys [B, K, d],
+    bias [B, S, K] additive, sinks [h]; -> [B, S, h, d] in q's dtype.
+
+    All in float32, the result rounded once to q's dtype, as SGLang's sparse attention kernels do:
+    q and K widened to float32 for the logits (sglang/kernels/ops/attention/flash_mla_sm120_triton.py:99,
+    171), the softmax and the sum over values in float32 (:176-189), one rounding on the output
+    (:203-204), the float32 sink (sglang/srt/models/deepseek_v4.py:1092) folded into the float32
+    normaliser (flash_mla_sm120_triton.py:303-322). transformers keeps the logits in the activations'
+    dtype (bf16) and only the sink-extended softmax in float32
+    (transformers/models/deepseek_v4/modeling_deepseek_v4.py:740-753).
+    """
+    q32, keys32 = q.float(), keys.float()
+    logits = torch.matmul(q32.transpose(1, 2), keys32.transpose(-1, -2).unsqueeze(1)) * scale
+    logits = logits + bias.unsqueeze(1).float()  # [B, h, S, K]
+    sink_logits = sinks.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+    combined = torch.cat([logits, sink_logits], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.matmul(probs, keys32.unsqueeze(1)).transpose(1, 2).to(q.dtype)

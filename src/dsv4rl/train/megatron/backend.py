@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 from transformers import DeepseekV4Config
 
@@ -35,9 +38,9 @@ from dsv4rl.model.native_checkpoint import (
 from dsv4rl.train import update
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.megatron import checkpoint, convert
-from dsv4rl.train.megatron.architecture import ParallelSizes
+from dsv4rl.train.megatron.architecture import DeepseekV4Architecture, ParallelSizes, transformer_config
 from dsv4rl.train.megatron.model import DeepseekV4Model
-from dsv4rl.train.megatron.optimizer import build_optimizer, finalize_gradients
+from dsv4rl.train.megatron.optimizer import build_optimizer, finalize_gradients, optimizer_config
 from dsv4rl.train.megatron.parallel import build_stage, initialize, run_pipeline
 from dsv4rl.train.megatron.tensor_source import NativeCheckpointSource, StateDictSource, TensorSource
 from dsv4rl.train.update import MicroBatch, MicroLoss
@@ -64,6 +67,34 @@ def parallel_sizes(cfg: Config) -> ParallelSizes:
     )
 
 
+@dataclass(frozen=True)
+class MegatronConfigs:
+    """megatron-core's own configs of a run. Each `__post_init__` refuses what megatron cannot build, so
+    building them is how a setting that cannot work fails before any rank loads weights
+    (`tests/train/megatron/test_megatron_configs.py` builds them for every shipped recipe)."""
+
+    transformer: TransformerConfig
+    ddp: DistributedDataParallelConfig
+    optimizer: OptimizerConfig | None  # None on CPU: megatron's optimizers need CUDA (ModelParallelAdamW)
+
+
+def stage_config(cfg: Config, hf_config: DeepseekV4Config, on_gpu: bool) -> TransformerConfig:
+    """megatron's config of one model (policy or reference) of this recipe."""
+    dtype = TORCH_DTYPES[Dtype(cfg.model.dtype)]
+    arch = DeepseekV4Architecture.from_hf(hf_config)
+    return transformer_config(arch, parallel_sizes(cfg), dtype, on_cpu=not on_gpu)
+
+
+def megatron_configs(cfg: Config, hf_config: DeepseekV4Config, on_gpu: bool) -> MegatronConfigs:
+    """The configs the backend builds its model, DDP wrapper and optimizer from, on a GPU or not."""
+    dtype = TORCH_DTYPES[Dtype(cfg.model.dtype)]
+    return MegatronConfigs(
+        transformer=stage_config(cfg, hf_config, on_gpu),
+        ddp=DistributedDataParallelConfig(use_distributed_optimizer=on_gpu, grad_reduce_in_fp32=True),
+        optimizer=optimizer_config(cfg, dtype) if on_gpu else None,
+    )
+
+
 class MegatronBackend:
     def __init__(self, cfg: Config, model_path: str, device: torch.device | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -79,15 +110,15 @@ class MegatronBackend:
         )
         self.dtype = TORCH_DTYPES[Dtype(cfg.model.dtype)]
         self.hf_config, source = weight_source(model_path)
-        self.model = self._build(source, trainable=True)
-        self.ref_model = self._build(source, trainable=False) if cfg.algo.kl_coef > 0 else None
-        self.ddp = DistributedDataParallel(
-            self.model.config,
-            DistributedDataParallelConfig(use_distributed_optimizer=self.on_gpu, grad_reduce_in_fp32=True),
-            self.model,
-        )
+        self.configs = megatron_configs(cfg, self.hf_config, self.on_gpu)  # refused here, before loading
+        self.model = self._build(source, self.configs.transformer, trainable=True)
+        if cfg.algo.kl_coef > 0:  # a config of its own: the policy's carries finalize_model_grads_func
+            self.ref_model = self._build(source, stage_config(cfg, self.hf_config, self.on_gpu), False)
+        else:
+            self.ref_model = None
+        self.ddp = DistributedDataParallel(self.model.config, self.configs.ddp, self.model)
         self.model.config.finalize_model_grads_func = finalize_gradients
-        self.optimizer = build_optimizer(self.ddp, cfg, self.dtype, self.on_gpu)
+        self.optimizer = build_optimizer(self.ddp, cfg, self.configs.optimizer)
         self.has_reference = self.ref_model is not None
         self.updates = 0  # optimizer steps taken (the learning-rate schedule's position)
         self.step = 0  # completed train_step calls
@@ -110,8 +141,8 @@ class MegatronBackend:
         dist.broadcast_object_list(sources, src=0)
         self.stage_sources: list[int] = sources[0]
 
-    def _build(self, source: TensorSource, trainable: bool) -> DeepseekV4Model:
-        model = build_stage(self.hf_config, self.sizes, self.dtype)
+    def _build(self, source: TensorSource, config: TransformerConfig, trainable: bool) -> DeepseekV4Model:
+        model = build_stage(self.hf_config, self.sizes, self.dtype, config)
         model.to(self.device)
         convert.load_weights(model, source, self.ranks(model), self.hf_config.n_routed_experts)
         model.eval()  # no dropout: the trainer's log-probs match the engines' and each other
@@ -228,24 +259,25 @@ class MegatronBackend:
     def named_weights_for_sync(self, by_stage: bool = False) -> Iterator[tuple[str, Tensor]]:
         """Full tensors, transformers names, one at a time (collective).
 
-        Each pipeline stage merges its tensor- and expert-parallel shards. `by_stage`: every stage's
-        source rank (`weight_source_ranks`) yields its own stage's tensors, all stages at once, for a sync
-        with one sender per stage. Otherwise rank 0 yields them all: stage 0's as they are merged, then
-        the other stages' received from their source tensor by tensor. Either way no rank ever holds
-        the whole model.
+        Each pipeline stage merges its tensor- and expert-parallel shards on its source rank
+        (`weight_source_ranks`) only: the stage's other ranks send their pieces and allocate nothing.
+        `by_stage`: every source yields its own stage's tensors, all stages at once, for a sync with one
+        sender per stage. Otherwise rank 0 yields them all: stage 0's as they are merged, then the other
+        stages' received from their source tensor by tensor. Either way no rank ever holds the whole
+        model, and a source holds one merged tensor at a time (a layer's stacked experts at most).
         """
         ranks = self.ranks(self.model)
         stage = parallel_state.get_pipeline_model_parallel_rank()
         experts = self.hf_config.n_routed_experts
         rank = dist.get_rank()
         if by_stage:
-            for name, tensor in convert.gather_stage(self.model, ranks, experts):
-                if rank == self.stage_sources[stage]:
-                    yield name, tensor.detach()
+            own_source = self.stage_sources[stage]
+            for name, tensor in convert.gather_stage(self.model, ranks, experts, dst=own_source):
+                yield name, tensor.detach()
             return
         for source_stage, source in enumerate(self.stage_sources):
             if stage == source_stage:
-                for name, tensor in convert.gather_stage(self.model, ranks, experts):
+                for name, tensor in convert.gather_stage(self.model, ranks, experts, dst=source):
                     if rank == 0:
                         yield name, tensor.detach()
                     elif rank == source:

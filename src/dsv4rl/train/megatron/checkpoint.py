@@ -34,9 +34,13 @@ from dsv4rl.train.megatron.model import DeepseekV4Model
 from dsv4rl.train.megatron.optimizer import ModelParallelAdamW, StepOptimizer
 
 
-def _optimizer_sharded_state(optimizer: StepOptimizer, model_state: dict) -> dict:
+def _optimizer_sharded_state(optimizer: StepOptimizer, model_state: dict, is_loading: bool) -> dict:
+    """The optimizer's part of the checkpoint. megatron's distributed optimizer gives its state tensors
+    to load into only with `is_loading` (it then allocates the state of an optimizer that has not
+    stepped, `megatron/core/optimizer/distrib_optimizer.py:1264`); without, a fresh optimizer describes
+    no Adam moments (they would not load) or, precision-aware with offload, fails on 'master_param'."""
     if not isinstance(optimizer, ModelParallelAdamW):
-        return optimizer.optimizer.sharded_state_dict(model_state)
+        return optimizer.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
     optimizer.initialise_state()
     state = optimizer.state_dict()
     id_to_sharded = get_param_id_to_sharded_param_map(model_state, iter(optimizer.parameters))
@@ -44,9 +48,9 @@ def _optimizer_sharded_state(optimizer: StepOptimizer, model_state: dict) -> dic
     return state
 
 
-def _sharded_state(model: DeepseekV4Model, optimizer: StepOptimizer) -> dict:
+def _sharded_state(model: DeepseekV4Model, optimizer: StepOptimizer, is_loading: bool) -> dict:
     model_state = model.sharded_state_dict()
-    return {"model": model_state, "optimizer": _optimizer_sharded_state(optimizer, model_state)}
+    return {"model": model_state, "optimizer": _optimizer_sharded_state(optimizer, model_state, is_loading)}
 
 
 def save_checkpoint(
@@ -61,7 +65,7 @@ def save_checkpoint(
     final directory; `keep` > 0 prunes older siblings."""
     final = Path(directory)
     tmp = prepare_staging(final)
-    dist_checkpointing.save(_sharded_state(model, optimizer), str(tmp))
+    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp))
     save_rank_state(tmp, extra_state)
     return publish(tmp, final, {**counters, "world_size": dist.get_world_size()}, keep)
 
@@ -75,7 +79,7 @@ def load_checkpoint(
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {TRAINER_STATE})")
     trainer_state = torch.load(path / TRAINER_STATE, weights_only=False)
     counters = {"step": int(trainer_state["step"]), "updates": int(trainer_state["updates"])}
-    loaded = dist_checkpointing.load(_sharded_state(model, optimizer), str(path))
+    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path))
     model.load_state_dict(loaded["model"])
     if isinstance(optimizer, ModelParallelAdamW):
         # Adam's per-parameter step is not sharded state: every parameter steps with every update

@@ -9,6 +9,15 @@ inference engines' business.
 
 The weights are small and replicated on every tensor-parallel rank (the attention heads they feed
 are split); the attention sums the heads' gradients on their output (`shared_by_all_heads`).
+
+In bf16 a compressor computes as SGLang's does, in float32 from the projections to RoPE, rounding once
+on the entries it hands on: the projections' outputs are float32 (`linear_bf16_fp32`,
+sglang/srt/layers/attention/dsv4/compressor.py:160-166, the position bias `ape` float32 at :63-65),
+the gated pooling is a float32 softmax and a float32 weighted sum written to a float32 output
+(sglang/srt/layers/attention/dsv4/compressor_v2.py:112-121;
+sglang/kernels/jit/csrc/deepseek_v4/c4_v2.cuh:182-214), then norm and RoPE run on that float32 entry
+before the store (compressor_v2.py:129-131). transformers rounds the projections, the softmax weights,
+the products and the sum to bf16 (transformers/models/deepseek_v4/modeling_deepseek_v4.py:428, 685).
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-from dsv4rl.train.megatron.rope import RotaryTables, apply_interleaved_rope
+from dsv4rl.train.megatron.rope import RotaryTables, apply_interleaved_rope, rotate
 
 
 class RMSNorm(torch.nn.Module):
@@ -44,14 +53,15 @@ def linear(in_features: int, out_features: int, dtype: torch.dtype) -> torch.nn.
 def compress_windows(
     kv: Tensor, gate: Tensor, ape: Tensor, ratio: int, head_dim: int, overlap: bool
 ) -> Tensor:
-    """[B, S, C] projections -> [B, S // ratio, head_dim] entries (before norm and RoPE)."""
+    """[B, S, C] projections -> [B, S // ratio, head_dim] float32 entries (before norm and RoPE): the
+    softmax over each window's slots and the weighted sum in float32 (c4_v2.cuh:182-214)."""
     batch = kv.shape[0]
     usable = (kv.shape[1] // ratio) * ratio
     windows = usable // ratio
     if windows == 0:
-        return kv.new_zeros(batch, 0, head_dim)
-    kv = kv[:, :usable].view(batch, windows, ratio, -1)
-    gate = gate[:, :usable].view(batch, windows, ratio, -1) + ape
+        return kv.new_zeros(batch, 0, head_dim, dtype=torch.float32)
+    kv = kv[:, :usable].float().view(batch, windows, ratio, -1)
+    gate = gate[:, :usable].float().view(batch, windows, ratio, -1) + ape.float()
     if overlap:
         slots_kv = kv.new_zeros(batch, windows, 2 * ratio, head_dim)
         slots_gate = gate.new_full((batch, windows, 2 * ratio, head_dim), float("-inf"))
@@ -60,7 +70,7 @@ def compress_windows(
         slots_kv[:, 1:, :ratio] = kv[:, :-1, :, :head_dim]
         slots_gate[:, 1:, :ratio] = gate[:, :-1, :, :head_dim]
         kv, gate = slots_kv, slots_gate
-    return (kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
+    return (kv * gate.softmax(dim=2)).sum(dim=2)
 
 
 def visible_entries(seq_len: int, entries: int, ratio: int, device: torch.device) -> Tensor:
@@ -84,19 +94,21 @@ class Compressor(MegatronModule):
         self.norm = RMSNorm(head_dim, config.layernorm_epsilon)
 
     def forward(self, hidden: Tensor, rope: RotaryTables) -> Tensor:
-        """hidden [B, S, D] -> entries [B, S // ratio, head_dim], RoPE'd (compress tables)."""
+        """hidden [B, S, D] -> entries [B, S // ratio, head_dim] in hidden's dtype, RoPE'd (compress
+        tables); float32 inside, rounded once at the end."""
+        wide = hidden.float()  # bf16 x bf16 products, float32 sums and output, as linear_bf16_fp32
         entries = compress_windows(
-            self.linear_wkv(hidden),
-            self.linear_wgate(hidden),
+            F.linear(wide, self.linear_wkv.weight.float()),
+            F.linear(wide, self.linear_wgate.weight.float()),
             self.ape,
             self.ratio,
             self.head_dim,
             self.overlap,
         )
-        entries = self.norm(entries)
+        entries = self.norm(entries)  # float32 in, float32 out (the weight is float32)
         positions = torch.arange(entries.shape[1], device=hidden.device) * self.ratio
-        cos, sin = rope.at(positions, entries.dtype)
-        return apply_interleaved_rope(entries.unsqueeze(2), cos, sin).squeeze(2)
+        cos, sin = rope.at(positions)
+        return rotate(entries.unsqueeze(2), cos, sin).squeeze(2).to(hidden.dtype)
 
 
 class Indexer(MegatronModule):
@@ -127,7 +139,7 @@ class Indexer(MegatronModule):
         keys = self.compressor(hidden, rope)
         entries = keys.shape[1]
         q = self.linear_wq_b(q_compressed).view(batch, seq, self.heads, self.head_dim)
-        cos, sin = rope.at(torch.arange(seq, device=hidden.device), q.dtype)
+        cos, sin = rope.at(torch.arange(seq, device=hidden.device))
         q = apply_interleaved_rope(q, cos, sin)
         scores = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))  # [B, S, H, T]
         scores = F.relu(scores) * self.head_dim**-0.5

@@ -218,44 +218,91 @@ def local_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
             yield name, tensor
 
 
-def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None, size: int) -> list[Tensor]:
+def _in_group(group: dist.ProcessGroup, rank: int) -> bool:
+    return rank in dist.get_process_group_ranks(group)
+
+
+def _collect(
+    tensor: Tensor,
+    group: dist.ProcessGroup | None,
+    size: int,
+    dst: int | None,
+    into: list[Tensor] | None = None,
+) -> list[Tensor] | None:
+    """Every rank's `tensor` of `group`, in group-rank order: on every rank (`dst` None, an all-gather)
+    or on `dst` only (a gather; None elsewhere). `into`: where the pieces land (else fresh tensors)."""
+    receives = dst is None or dist.get_rank() == dst
     if size == 1:
-        return [tensor]
-    pieces = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(pieces, tensor.contiguous(), group=group)
-    return pieces
+        if into is not None and receives:
+            into[0].copy_(tensor)
+        return (into or [tensor]) if receives else None
+    if receives and into is None:
+        into = [torch.empty_like(tensor) for _ in range(size)]
+    if dst is None:
+        dist.all_gather(into, tensor.contiguous(), group=group)
+    else:
+        dist.gather(tensor.contiguous(), into if receives else None, dst=dst, group=group)
+    return into if receives else None
 
 
 def gather_stage(
-    model: torch.nn.Module, ranks: Ranks, num_experts: int, values: Mapping[str, Tensor] | None = None
+    model: torch.nn.Module,
+    ranks: Ranks,
+    num_experts: int,
+    values: Mapping[str, Tensor] | None = None,
+    dst: int | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
     """Full transformers-named tensors of this pipeline stage, merged over its tensor- and
-    expert-parallel ranks (collective over those groups; every rank of the stage gets them).
+    expert-parallel ranks, one at a time (collective over those groups).
 
-    `values` replaces the model's own tensors by name (gradients, for instance); default the weights.
-    A stacked expert tensor is yielded once all experts of the layer have been gathered.
+    `dst` None: every rank of the stage gets every tensor. `dst` a global rank of the stage (its weight
+    sender): only `dst` yields; the ranks of its tensor- and expert-parallel groups send it their pieces
+    and hold nothing more, and the other ranks (replicas of those pieces) take no part. `values`
+    replaces the model's own tensors by name (gradients, for instance); default the weights.
+
+    A layer's routed experts are yielded as transformers' stacked [E, ...] tensor: gathered straight into
+    it, one stacked tensor at a time (all of `gate_up_proj`, then all of `down_proj`).
     """
     tp_group = parallel_state.get_tensor_model_parallel_group() if ranks.tensor_size > 1 else None
     ep_group = parallel_state.get_expert_model_parallel_group() if ranks.expert_size > 1 else None
+    rank = dist.get_rank()
+    receives = dst is None or rank == dst
+    # with a `dst`: whether dst gathers this rank's pieces (copies of them on other ranks sit it out)
+    tp_member = dst is None or (rank == dst if tp_group is None else _in_group(tp_group, dst))
+    ep_member = dst is None or (rank == dst if ep_group is None else _in_group(ep_group, dst))
     per_rank = num_experts // ranks.expert_size
-    pending: dict[str, dict[int, Tensor]] = {}
-    for name, tensor in local_tensors(model):
-        where = placement(name, ranks, num_experts)
-        value = tensor if values is None else values[name]
+    tensors = dict(local_tensors(model)) if values is None else values
+    entries = [(name, placement(name, ranks, num_experts)) for name, _ in local_tensors(model)]
+    experts_of: dict[str, list[tuple[str, Placement]]] = {}
+    for name, where in entries:
+        if where.expert is not None:
+            experts_of.setdefault(where.hf_names[0], []).append((name, where))
+    for name, where in entries:
         if where.expert is None:
-            pieces = (
-                [value]
-                if where.split == Split.replicated
-                else _all_gather(value, tp_group, ranks.tensor_size)
-            )
-            yield from zip(where.hf_names, merge(pieces, where, model.arch.vocab_size), strict=True)
+            if not tp_member:
+                continue
+            if where.split == Split.replicated:
+                pieces = [tensors[name]] if receives else None
+            else:
+                pieces = _collect(tensors[name], tp_group, ranks.tensor_size, dst)
+            if pieces is not None:
+                yield from zip(where.hf_names, merge(pieces, where, model.arch.vocab_size), strict=True)
             continue
-        local = where.expert - ranks.expert * per_rank
-        experts = pending.setdefault(where.hf_names[0], {})
-        for rank, piece in enumerate(_all_gather(value, ep_group, ranks.expert_size)):
-            experts[rank * per_rank + local] = piece
-        if len(experts) == num_experts:
-            yield where.hf_names[0], torch.stack([experts[e] for e in range(num_experts)])
-            del pending[where.hf_names[0]]
-    if pending:
-        raise UnmappedTensor(f"experts missing for {sorted(pending)}")
+        hf_name = where.hf_names[0]
+        group = experts_of.pop(hf_name, None)
+        if group is None:  # gathered with the first local expert of its stacked tensor
+            continue
+        if len(group) != per_rank:
+            raise UnmappedTensor(f"{hf_name}: {len(group)} local experts, expected {per_rank}")
+        if not ep_member:
+            continue
+        stacked = None
+        for local_name, local_where in group:
+            value = tensors[local_name]
+            if receives and stacked is None:
+                stacked = torch.empty((num_experts, *value.shape), dtype=value.dtype, device=value.device)
+            local = local_where.expert - ranks.expert * per_rank
+            into = [stacked[r * per_rank + local] for r in range(ranks.expert_size)] if receives else None
+            _collect(value, ep_group, ranks.expert_size, dst, into)
+        if stacked is not None:
+            yield hf_name, stacked

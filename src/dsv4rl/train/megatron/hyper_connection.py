@@ -6,6 +6,13 @@ Around each attention and MoE sub-block, the streams are collapsed into the sub-
 X' = post (x) y + comb^T X. The weights come from a projection of the normalised, flattened streams.
 Everything here runs in float32 like the released model. Parameters are replicated across
 tensor-parallel ranks: they sit outside the split attention/MoE regions.
+
+In bf16 the streams are bf16 but every mix is computed in float32 and rounded once, where SGLang
+rounds: the collapse `sum_k pre_k X_k` (sglang/kernels/ops/layernorm/mhc.py:1937, the head's at
+sglang/srt/models/deepseek_v4.py:674-679) and the expand `post (x) y + comb^T X` with float32 post and
+comb (sglang/srt/models/deepseek_v4_mhc.py:602-606, `.type_as(x)` once at the end). transformers
+rounds post and comb to bf16 and mixes in bf16
+(transformers/models/deepseek_v4/modeling_deepseek_v4.py:1191-1199).
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ from dsv4rl.model.sinkhorn import sinkhorn
 
 
 def unweighted_rms_norm(x: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    """x / rms(x) in float32, rounded once to x's dtype (SGLang's q kernel multiplies by the float32
+    factor: sglang/kernels/jit/csrc/deepseek_v4/main_norm_rope.cuh:133-151; transformers rounds the
+    factor to x's dtype first, modeling_deepseek_v4.py:72)."""
+    wide = x.float()
+    return (wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class HyperConnection(MegatronModule):
@@ -48,16 +59,17 @@ class HyperConnection(MegatronModule):
         post = 2 * torch.sigmoid(post_w * post_scale + post_b)
         comb = comb_w.view(*comb_w.shape[:-1], n, n) * comb_scale + comb_b.view(n, n)
         comb = sinkhorn(torch.softmax(comb, dim=-1) + self.hc_eps, self.sinkhorn_iters, self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=2).to(streams.dtype)
         return post, comb, collapsed
 
 
 def expand(post: Tensor, comb: Tensor, output: Tensor, streams: Tensor) -> Tensor:
-    """X' = post (x) y + comb^T X: the sum runs over comb's first index."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), streams
+    """X' = post (x) y + comb^T X: the sum runs over comb's first index. float32 post and comb times the
+    widened output and streams, rounded once to the streams' dtype (deepseek_v4_mhc.py:602-606)."""
+    mixed = post.float().unsqueeze(-1) * output.float().unsqueeze(-2) + torch.matmul(
+        comb.float().transpose(-1, -2), streams.float()
     )
+    return mixed.to(streams.dtype)
 
 
 class HyperHead(MegatronModule):
@@ -74,4 +86,4 @@ class HyperHead(MegatronModule):
         flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
         mixes = F.linear(flat, self.fn.float())
         pre = torch.sigmoid(mixes * self.scale.float() + self.base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        return (pre.unsqueeze(-1) * streams.float()).sum(dim=2).to(streams.dtype)

@@ -10,13 +10,14 @@ Optimizer: on GPUs megatron-core's distributed optimizer (Adam, fp32 main weight
 over all model-parallel ranks) with `parallel.train.optimizer_cpu_offload` / `optimizer_offload_fraction`.
 Without a GPU megatron's optimizers cannot run (their CUDA type checks and streams), so
 `ModelParallelAdamW` does the same step with torch's AdamW: the gradient norm counts each tensor once
-across tensor-, data- and expert-data-parallel copies, then clips.
+across tensor-, data- and expert-data-parallel copies, then clips. Both decay only the parameters
+`dsv4rl.train.weight_decay.decays` names, as the `fsdp` backend does.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,11 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 
 from dsv4rl.config.schema import Config
+from dsv4rl.train.weight_decay import decays, param_groups
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import OptimizerConfig, ParamKey
+    from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 
 
 def finalize_gradients(
@@ -75,14 +81,11 @@ class ModelParallelAdamW:
 
     def __init__(self, model: torch.nn.Module, cfg: Config) -> None:
         optim = cfg.optim
-        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        groups = param_groups(model.named_parameters(), optim.weight_decay)
+        self.parameters = [p for group in groups for p in group["params"]]  # the state's id order
         self.grad_clip = optim.grad_clip
         self.optimizer = torch.optim.AdamW(
-            self.parameters,
-            lr=optim.lr,
-            betas=(float(optim.betas[0]), float(optim.betas[1])),
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
+            groups, lr=optim.lr, betas=(float(optim.betas[0]), float(optim.betas[1])), eps=optim.eps
         )
 
     def zero_grad(self) -> None:
@@ -122,38 +125,63 @@ class ModelParallelAdamW:
         self.optimizer.load_state_dict(state)
 
 
+def optimizer_config(cfg: Config, dtype: torch.dtype) -> OptimizerConfig:
+    """megatron-core's config of its distributed optimizer for this recipe. Its `__post_init__` refuses
+    what megatron cannot build (precision-aware without Transformer Engine raises a TypeError,
+    `megatron/core/optimizer/optimizer_config.py:383`), so tests build it for every shipped recipe."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    optim, train = cfg.optim, cfg.parallel.train
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=float(optim.betas[0]),
+        adam_beta2=float(optim.betas[1]),
+        adam_eps=optim.eps,
+        clip_grad=optim.grad_clip,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=True,
+        optimizer_cpu_offload=train.optimizer_cpu_offload,
+        optimizer_offload_fraction=train.optimizer_offload_fraction if train.optimizer_cpu_offload else 0.0,
+        use_precision_aware_optimizer=train.precision_aware_optimizer,
+    )
+
+
+def weight_decay_overrides() -> dict[ParamKey, ParamGroupOverride]:
+    """megatron's parameter-group overrides: `wd_mult` 0 for every parameter `decays` spares. Passed to
+    `get_megatron_optimizer`, they replace megatron's default rule (1-D parameters and biases,
+    `megatron/core/optimizer/__init__.py:96`), which they contain."""
+    from megatron.core.optimizer import ParamKey, ParamWithNamePredicate
+    from megatron.core.optimizer_param_scheduler import ParamGroupOverride
+
+    spared = ParamWithNamePredicate(
+        name="dsv4rl_no_weight_decay", fn=lambda param, name: not decays(name, param)
+    )
+    return {ParamKey(with_name_predicate=spared): ParamGroupOverride(wd_mult=0.0)}
+
+
 class MegatronDistributedAdam:
     """megatron-core's distributed optimizer (GPU only), with the recipe's CPU offload fraction."""
 
-    def __init__(self, model: torch.nn.Module, cfg: Config, dtype: torch.dtype) -> None:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    def __init__(self, model: torch.nn.Module, config: OptimizerConfig) -> None:
+        from megatron.core.optimizer import get_megatron_optimizer
 
-        optim, train = cfg.optim, cfg.parallel.train
-        config = OptimizerConfig(
-            optimizer="adam",
-            lr=optim.lr,
-            weight_decay=optim.weight_decay,
-            adam_beta1=float(optim.betas[0]),
-            adam_beta2=float(optim.betas[1]),
-            adam_eps=optim.eps,
-            clip_grad=optim.grad_clip,
-            bf16=dtype == torch.bfloat16,
-            params_dtype=dtype,
-            use_distributed_optimizer=True,
-            optimizer_cpu_offload=train.optimizer_cpu_offload,
-            optimizer_offload_fraction=train.optimizer_offload_fraction
-            if train.optimizer_cpu_offload
-            else 0.0,
-            use_precision_aware_optimizer=train.precision_aware_optimizer,
-        )
-        self.optimizer = get_megatron_optimizer(config, [model])
+        self.weight_decay = config.weight_decay
+        self.optimizer = get_megatron_optimizer(config, [model], config_overrides=weight_decay_overrides())
+        self.set_lr(config.lr)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
     def set_lr(self, lr: float) -> None:
+        """The learning rate, and each group's weight decay: megatron builds every group at the config's
+        decay and leaves `wd_mult` to its OptimizerParamScheduler
+        (`megatron/core/optimizer_param_scheduler.py:294`), which dsv4rl does not run."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+            group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
 
     def step(self) -> float:
         _, norm, _ = self.optimizer.step()
@@ -166,8 +194,9 @@ class MegatronDistributedAdam:
         self.optimizer.load_state_dict(state)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config, dtype: torch.dtype, on_gpu: bool) -> StepOptimizer:
-    """AdamW (`optim.name`'s one choice): megatron's distributed optimizer on GPUs, torch's on CPU."""
-    if on_gpu:
-        return MegatronDistributedAdam(model, cfg, dtype)
+def build_optimizer(model: torch.nn.Module, cfg: Config, config: OptimizerConfig | None) -> StepOptimizer:
+    """AdamW (`optim.name`'s one choice): megatron's distributed optimizer from `config` (GPUs), torch's
+    when there is none (CPU)."""
+    if config is not None:
+        return MegatronDistributedAdam(model, config)
     return ModelParallelAdamW(model, cfg)

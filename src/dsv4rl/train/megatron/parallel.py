@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 from transformers import DeepseekV4Config
 
@@ -45,10 +46,17 @@ def initialize(sizes: ParallelSizes) -> None:
     )
 
 
-def build_stage(hf_config: DeepseekV4Config, sizes: ParallelSizes, dtype: torch.dtype) -> DeepseekV4Model:
-    """This rank's pipeline stage of the model (weights uninitialised: load them next)."""
-    arch = DeepseekV4Architecture.from_hf(hf_config)
-    config = transformer_config(arch, sizes, dtype, on_cpu=cpu_compat.is_active())
+def build_stage(
+    hf_config: DeepseekV4Config,
+    sizes: ParallelSizes,
+    dtype: torch.dtype,
+    config: TransformerConfig | None = None,
+) -> DeepseekV4Model:
+    """This rank's pipeline stage of the model (weights uninitialised: load them next); `config`: the
+    megatron config already built for it (default: built here for this machine)."""
+    if config is None:
+        arch = DeepseekV4Architecture.from_hf(hf_config)
+        config = transformer_config(arch, sizes, dtype, on_cpu=cpu_compat.is_active())
     return DeepseekV4Model(
         config,
         hf_config,
