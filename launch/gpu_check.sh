@@ -4,8 +4,9 @@
 # 1. The trainer (needs `make install GPU=1`, or torch with CUDA plus dsv4rl's dependencies: transformers
 #    5.23, megatron-core 0.16.1): launch/gpu_check_trainer.py runs the megatron backend's GPU-only paths on
 #    the tiny DeepSeek-V4: bf16 log-probs against transformers' fp32 model, megatron-core's distributed
-#    optimizer with CPU offload (precision-aware when Transformer Engine imports), and a distributed-optimizer
-#    checkpoint saved and loaded into a fresh backend, which must then step to the same weights.
+#    optimizer with CPU offload (precision-aware when Transformer Engine imports), a distributed-optimizer
+#    checkpoint saved and loaded into a fresh backend, which must then step to the same weights, and a step
+#    with a NaN advantage, which that optimizer must skip without a trace (docs/faults.md).
 # 2. The engines (needs `make install-sglang` too; skipped, and said so, without SGLANG_PYTHON): one real
 #    SGLang engine per weight format, the trainer's weights pushed into it over NCCL/RCCL, and the engine's
 #    log-probs compared with the trainer's (`dsv4rl align`): per format the push time and size and the

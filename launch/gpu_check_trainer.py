@@ -9,7 +9,10 @@ it), each check runs on its own and reports into OUT_DIR/trainer.json:
 - `offload_optimizer`: megatron-core's distributed optimizer with `optimizer_cpu_offload` (precision-aware
   when Transformer Engine imports), two train steps with finite metrics that move the weights;
 - `checkpoint_resume`: a distributed-optimizer checkpoint saved after those steps and loaded into a fresh
-  backend; one more step from each gives the same weights (Adam's moments came back, not only the weights).
+  backend; one more step from each gives the same weights (Adam's moments came back, not only the weights);
+- `nonfinite_skip`: the same optimizer skips a step with a NaN advantage (dsv4rl splits megatron's step into
+  `grad_norm` and the update, docs/faults.md): the weights do not move, and the next step lands where it
+  would have without the skipped one (Adam's moments, step count and the lr schedule untouched).
 
 `--cpu` runs the same code with gloo on the CPU (megatron's CPU AdamW stands in for the distributed
 optimizer there): the plumbing is tested on every machine, the GPU paths only where there is one.
@@ -85,7 +88,8 @@ def bf16_parity(out: Path, device: torch.device) -> dict:
     return result
 
 
-def offload_and_resume(out: Path, device: torch.device) -> tuple[dict, dict]:
+def offload_recipe(device: torch.device) -> tuple[Config, bool]:
+    """The distributed optimizer with CPU offload (precision-aware when Transformer Engine imports)."""
     try:
         import transformer_engine  # noqa: F401
 
@@ -96,6 +100,11 @@ def offload_and_resume(out: Path, device: torch.device) -> tuple[dict, dict]:
         optimizer_cpu_offload=True, optimizer_offload_fraction=0.5, precision_aware_optimizer=precision_aware
     )
     cfg.model.dtype = Dtype.bfloat16 if device.type == "cuda" else Dtype.float32
+    return cfg, precision_aware
+
+
+def offload_and_resume(out: Path, device: torch.device) -> tuple[dict, dict]:
+    cfg, precision_aware = offload_recipe(device)
     model_dir = str(out / "model")
     backend = build_backend(cfg, model_dir, device)
     vocab = backend.hf_config.vocab_size
@@ -119,6 +128,36 @@ def offload_and_resume(out: Path, device: torch.device) -> tuple[dict, dict]:
     resume = {"checkpoint": str(saved), "extra": extra, "max_abs_diff_after_one_more_step": diff,
               "ok": extra == {"cursor": 7} and diff == 0.0}  # fmt: skip
     return offload, resume
+
+
+def nonfinite_skip(out: Path, device: torch.device) -> dict:
+    cfg, _ = offload_recipe(device)
+    ends, result = {}, {}
+    for skipping in (False, True):
+        backend = build_backend(cfg, str(out / "model"), device)
+        vocab = backend.hf_config.vocab_size
+        backend.train_step(batch(vocab, seed=30), temperature=1.0)
+        before = weights(backend)
+        if skipping:
+            poisoned = batch(vocab, seed=31)
+            poisoned.advantages[0] = float("nan")
+            result["nonfinite_steps"] = backend.train_step(poisoned, temperature=1.0)["nonfinite_steps"]
+            result["unchanged"] = all(torch.equal(before[n], t) for n, t in weights(backend).items())
+        backend.train_step(batch(vocab, seed=32), temperature=1.0)
+        ends[skipping] = weights(backend)
+        if not skipping:
+            result["step_size"] = max((ends[False][n] - t).abs().max().item() for n, t in before.items())
+        del backend
+    result["max_abs_diff_to_unskipped"] = max(
+        (ends[True][n] - t).abs().max().item() for n, t in ends[False].items()
+    )
+    # exact on the CPU; a GPU's reductions may round differently from one run to the next, never by a step
+    result["ok"] = (
+        result["nonfinite_steps"] == 1
+        and result["unchanged"]
+        and result["max_abs_diff_to_unskipped"] <= 0.01 * result["step_size"]
+    )
+    return result
 
 
 def timed(check: Callable[[], object]) -> tuple[object, float, str | None]:
@@ -145,7 +184,11 @@ def main() -> int:
     offload, resume = pair if pair is not None else ({"ok": False, "error": error}, {"ok": False})
     report["offload_optimizer"], report["checkpoint_resume"] = offload, resume
     report["offload_optimizer"]["seconds"] = seconds
-    report["ok"] = all(report[k]["ok"] for k in ("bf16_parity", "offload_optimizer", "checkpoint_resume"))
+    skip, seconds, error = timed(lambda: nonfinite_skip(out, device))
+    report["nonfinite_skip"] = skip or {"ok": False, "error": error}
+    report["nonfinite_skip"]["seconds"] = seconds
+    checks = ("bf16_parity", "offload_optimizer", "checkpoint_resume", "nonfinite_skip")
+    report["ok"] = all(report[k]["ok"] for k in checks)
     (out / "trainer.json").write_text(json.dumps(report, indent=2, default=str))
     print(json.dumps(report, default=str))
     dist.destroy_process_group()

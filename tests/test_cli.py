@@ -35,7 +35,8 @@ def test_train_composes_validates_and_runs(supervisor: list[Config]) -> None:
     )
     assert result.exit_code == 0, result.output
     (cfg,) = supervisor
-    assert (cfg.recipe, cfg.run.dir, cfg.algo.group_size, cfg.resume) == ("tiny_arith", "runs/demo", 4, True)
+    assert (cfg.recipe, cfg.run.dir, cfg.algo.group_size) == ("tiny_arith", "runs/demo", 4)
+    assert cfg.resume == "true"  # ResumeMode.true
 
 
 def test_train_exits_with_the_supervisor_code(supervisor: list[Config]) -> None:
@@ -186,7 +187,7 @@ def test_plan_dapo_math_all_nodes(supervisor: list[Config]) -> None:
     for node in nodes[:2]:
         (trainer,) = node["processes"]
         argv = trainer["argv"]
-        assert trainer["role"] == "trainer" and argv[1:3] == ["-m", "torch.distributed.run"]
+        assert trainer["role"] == "trainer" and argv[1:3] == ["-m", "dsv4rl.train.torchrun"]
         assert (_flag(argv, "--nnodes"), _flag(argv, "--nproc-per-node")) == ("2", "8")
         assert _flag(argv, "--node-rank") == str(node["node"]) and _flag(argv, "--master-addr") == "gpu-a01"
         assert "DSV4RL_ENGINE_URLS" not in trainer["env"]  # the trainer reads the topology from its config
@@ -232,7 +233,7 @@ def test_plan_without_node_addrs_says_what_is_unresolved() -> None:
     assert any("cluster.node_addrs is empty" in w for w in plan["warnings"])
     result = runner.invoke(app, ["plan", "recipe=dapo_math", "--node-rank", "0"])
     assert result.exit_code == 0, result.output
-    assert "unresolved (set cluster.node_addrs)" in result.output and "torch.distributed.run" in result.output
+    assert "unresolved (set cluster.node_addrs)" in result.output and "dsv4rl.train.torchrun" in result.output
 
 
 def test_plan_tiny_arith_table() -> None:

@@ -252,9 +252,8 @@ def eval_command(
         raise _fail(str(exc)) from None
 
     from dsv4rl.eval.data import EvalDataError, eval_problems
-    from dsv4rl.eval.run import REPORT_FILE, ResponsesError, evaluate_responses, write_report
+    from dsv4rl.eval.run import REPORT_FILE, ResponsesError, eval_grader, evaluate_responses, write_report
     from dsv4rl.eval.view import render_eval
-    from dsv4rl.reward.graders import get_grader
 
     console = Console(stderr=True) if as_json else Console()
     run_dir = Path(cfg.run.dir).resolve()
@@ -263,9 +262,11 @@ def eval_command(
     if responses is not None:
         if not Path(responses).is_file():
             raise _fail(f"--responses {responses}: no such file")
-        grader = get_grader(cfg.eval.grader, reward=cfg.reward)
+        grader = eval_grader(cfg)
         try:
-            report = evaluate_responses(cfg.eval, eval_problems(cfg), Path(responses), grader)
+            report = evaluate_responses(
+                cfg.eval, eval_problems(cfg), Path(responses), grader, cfg.reward.max_error_fraction
+            )
         except (EvalDataError, ResponsesError, ValueError) as exc:
             raise _fail(str(exc)) from None
         finally:

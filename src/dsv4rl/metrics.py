@@ -19,6 +19,7 @@ STEP_KEYS = (
     "kl",
     "entropy",
     "grad_norm",
+    "nonfinite_steps",  # optimizer steps skipped for a NaN/Inf loss or gradient (dsv4rl.train.nonfinite)
     "time_rollout_s",
     "time_reward_s",
     "time_train_s",

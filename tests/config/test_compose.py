@@ -143,7 +143,7 @@ def test_overrides_values_groups_and_additions() -> None:
             "eval.k=[1,2]",
         ],
     )
-    assert (cfg.run.dir, cfg.resume, cfg.algo.group_size) == ("runs/demo", True, 4)
+    assert (cfg.run.dir, cfg.resume, cfg.algo.group_size) == ("runs/demo", "true", 4)
     assert cfg.parallel.train.nproc_per_node == 2
     assert cfg.algo.name == "dapo" and cfg.algo.eps_clip_high == 0.28
     assert cfg.algo.sampling.max_new_tokens == 1  # the recipe's own values win over the group's

@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+from dataset_files import DATA, needs_data
 from dsv4rl.config.schema import DataConfig
 from dsv4rl.data import (
     ArithProblems,
@@ -13,9 +14,6 @@ from dsv4rl.data import (
     problem_source,
 )
 from dsv4rl.data.datasets import DAPO_TEMPLATE, gsm8k_final_answer
-
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"{DATA} not present")
 
 
 @needs_data

@@ -1,18 +1,26 @@
-"""The hang watchdog on a real run of the tiny model: a hang injected in the trainer loop and in the
-reference engine (DSV4RL_INJECT_HANG) stops `dsv4rl train` after `run.step_timeout_s`, with every
-process's Python stacks in the run dir and a message naming the phase and the process."""
+"""Faults on a real run of the tiny model, injected at precise points (`dsv4rl.faults.inject`).
+
+A hang in the trainer loop, in the reference engine's generate and inside its weight update
+(DSV4RL_INJECT_HANG) stops `dsv4rl train` after `run.step_timeout_s`, with every process's Python stacks
+in the run dir and a message naming the phase and the process. An engine killed in the middle of a weight
+broadcast (DSV4RL_INJECT_KILL) stops the run naming the engine, its work and the trainer's phase, with
+no process left; `resume=true` then continues, past a newest checkpoint broken since it was written."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_two_nodes_cpu import processes_of
 
-from dsv4rl.faults.inject import HANG_ENV
+from dsv4rl.faults.inject import HANG_ENV, KILL_ENV
+from dsv4rl.metrics import read_metrics
+from dsv4rl.train.checkpoint_dirs import checkpoint_dir, complete_checkpoints
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 30  # well above a real phase of these small steps on 2 busy cores
@@ -24,7 +32,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def hung_run(run_dir: Path, hang: str, *overrides: str) -> subprocess.CompletedProcess:
+def run(run_dir: Path, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess:
     argv = [
         sys.executable, "-m", "dsv4rl.cli", "train", "recipe=tiny_arith", f"run.dir={run_dir}",
         "run.progress=false", f"run.step_timeout_s={TIMEOUT_S}", "train.steps=3", "eval.every_steps=0",
@@ -33,9 +41,11 @@ def hung_run(run_dir: Path, hang: str, *overrides: str) -> subprocess.CompletedP
         f"engine.port={free_port()}", f"cluster.master_port={free_port()}",
         f"cluster.weight_sync_port={free_port()}", *overrides,
     ]  # fmt: skip
-    result = subprocess.run(
-        argv, capture_output=True, text=True, timeout=600, env={**os.environ, HANG_ENV: hang}
-    )
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+
+
+def hung_run(run_dir: Path, hang: str, *overrides: str) -> subprocess.CompletedProcess:
+    result = run(run_dir, {HANG_ENV: hang}, *overrides)
     assert result.returncode == 1, result.stdout + result.stderr
     return result
 
@@ -65,3 +75,52 @@ def test_an_engine_hung_in_generate_is_named(tmp_path: Path) -> None:
     stacks = (run_dir / "logs" / "stacks-engine-0.txt").read_text()
     assert "dsv4rl/engine/generator.py" in stacks and " in _loop\n" in stacks
     assert " in collect_batch\n" in (run_dir / "logs" / "stacks-trainer-rank0.txt").read_text()
+
+
+def test_an_engine_hung_in_a_weight_update_is_named_while_the_trainer_waits_in_sync(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    out = hung_run(run_dir, "engine-0:weight_update:2").stdout  # the update of step 2's weights
+    named = f"in phase sync at step 2 (run.step_timeout_s={TIMEOUT_S}): engine-0 did not advance"
+    assert f"{named}, busy in weight_update" in out, out
+    assert "while trainer-rank0 waits on it in sync at step 2" in out, out
+    stacks = (run_dir / "logs" / "stacks-engine-0.txt").read_text()
+    assert "dsv4rl/engine/weight_routes.py" in stacks and " in block_forever\n" in stacks
+    assert " in push_weights\n" in (run_dir / "logs" / "stacks-trainer-rank0.txt").read_text()
+
+
+def test_an_engine_killed_mid_broadcast_stops_the_run_and_resume_continues_past_a_broken_checkpoint(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    saving = ("train.checkpoint_every=1", "train.keep_checkpoints=3")
+    killed = run(run_dir, {KILL_ENV: "engine-0:weight_broadcast:3"}, *saving)  # step 3's weights in flight
+    out = killed.stdout
+    assert killed.returncode == 128 + signal.SIGKILL, out + killed.stderr
+    assert (
+        "✗ engine-0 was killed by SIGKILL (exit code -9) during weight_update at step 3; trainer-rank0 was "
+        "in sync at step 3"
+    ) in out, out
+    assert f"{KILL_ENV}: engine-0 is killed in weight_broadcast at step 3" in out  # the engine's log tail
+    assert processes_of(run_dir) == []  # the trainer stopped by the supervisor, nothing orphaned
+    assert [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
+    checkpoints = run_dir / "checkpoints"
+    assert complete_checkpoints(checkpoints) == [checkpoint_dir(checkpoints, s) for s in (2, 1)]
+
+    # The newest checkpoint breaks on disk afterwards (a truncated shard): resume names it and takes step 1
+    (shard,) = checkpoint_dir(checkpoints, 2).glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    resumed = run(run_dir, {}, *saving, "resume=true")
+    out = resumed.stdout
+    assert resumed.returncode == 0, out + resumed.stderr
+    broken = (
+        f"! trainer-rank0: checkpoint {checkpoint_dir(checkpoints, 2)} cannot be loaded (model/optimizer "
+        "shards (*.distcp): RuntimeError: PytorchStreamReader failed reading zip archive"
+    )
+    assert broken in out and "; falling back to step_00000001\n" in out, out
+    said = f"resumed from the older checkpoint {checkpoint_dir(checkpoints, 1)} instead"
+    assert f"! trainer-rank0: {said}" in out
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "cannot be loaded (model/optimizer shards" in log and said in log
+    assert [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert "3 / 3 (steps 2-3 in this run: resumed)" in out, out  # never the earlier run's steps
+    assert "step 1/3" not in out  # the earlier run's line is not printed again

@@ -9,10 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from dataset_files import DATA, needs_data
 from dsv4rl.cli import app
-
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"{DATA} not present")
 
 
 def brute_force(correct: list[bool], k: int) -> float:

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from dataset_files import DATA, needs_data
 from dsv4rl.config.compose import compose
 from dsv4rl.data.datasets import DAPO_TEMPLATE, problem_source
 from dsv4rl.eval.data import EvalDataError, eval_problems
-
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"{DATA} not present")
 
 
 def eval_config(name: str, *overrides: str):

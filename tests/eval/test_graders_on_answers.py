@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
+from dataset_files import DATA, needs_data
 from dsv4rl.reward.graders import get_grader
-
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"{DATA} not present")
 
 
 def answers() -> list[str]:

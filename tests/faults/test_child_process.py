@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 from dsv4rl.faults.crash_report import read_crash_report
 from dsv4rl.faults.files import LOG_DIR_ENV, PROCESS_ENV
 from dsv4rl.faults.heartbeat import read_beat
-from dsv4rl.faults.inject import HANG_ENV
+from dsv4rl.faults.inject import HANG_ENV, KILL_ENV
 from dsv4rl.faults.stacks import request_dump
 
 CHILD = """
@@ -67,6 +68,16 @@ def test_a_hung_child_dumps_its_stacks_on_request(tmp_path):
     assert "trainer-rank1 (pid" in text and "stacks requested: test" in text
     assert "block_forever" in text and 'File "<string>", line 8 in train_steps' in text
     assert f"{HANG_ENV}: trainer-rank1 hangs in train at step 2 (test hook)" in err
+    assert not (tmp_path / "crash-trainer-rank1.json").exists()
+
+
+def test_an_injected_kill_ends_the_child_by_sigkill_at_its_point(tmp_path):
+    child = start(tmp_path, "raise", **{KILL_ENV: "trainer:train:2"})
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL  # never got to raise
+    assert f"{KILL_ENV}: trainer-rank1 is killed in train at step 2 (test hook)" in err
+    beat = read_beat(tmp_path / "heartbeat-trainer-rank1.json")  # written before the kill: where it died
+    assert (beat.phase, beat.step, beat.pid) == ("train", 2, child.pid)
     assert not (tmp_path / "crash-trainer-rank1.json").exists()
 
 

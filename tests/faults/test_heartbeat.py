@@ -8,7 +8,7 @@ import pytest
 
 from dsv4rl.faults import heartbeat
 from dsv4rl.faults.heartbeat import Beat, Heartbeat, read_beat
-from dsv4rl.faults.inject import HANG_ENV, HangPoint, maybe_hang, parse_hang_points
+from dsv4rl.faults.inject import HANG_ENV, KILL_ENV, HangPoint, maybe_hang, parse_hang_points
 
 
 class Clock:
@@ -49,11 +49,11 @@ def test_a_configured_process_writes_behind_and_the_newest_beat_lands(tmp_path, 
     writes, started, stuck = [], threading.Event(), threading.Event()
     real = module.write_json_atomic
 
-    def stuck_write(path, record):
+    def stuck_write(path, record, **options):
         writes.append(record["phase"])
         started.set()
         stuck.wait(10)  # a filesystem that does not answer until the test lets it
-        real(path, record)
+        real(path, record, **options)
 
     monkeypatch.setattr(module, "write_json_atomic", stuck_write)
     monkeypatch.setattr(module, "_heartbeat", None)
@@ -101,6 +101,26 @@ def test_a_server_is_busy_with_its_oldest_piece_of_work_then_idle(tmp_path):
     assert (seen.phase, seen.since, seen.busy) == ("idle", 1002.0, False)
 
 
+def test_a_piece_of_work_carries_its_step_and_its_points_are_fault_points(tmp_path, monkeypatch):
+    """An engine's weight update is busy at its session's step; `reached` inside it is a point a test can
+    make fail, at that step (the hook is replaced here by a recorder)."""
+    import dsv4rl.faults.heartbeat as module
+
+    seen = []
+    monkeypatch.setattr(module, "maybe_hang", lambda process, point, step, **_: seen.append((point, step)))
+    monkeypatch.setattr(module, "_heartbeat", None)
+    module.reached("weight_broadcast")  # not configured: nothing
+    hb = module.configure(tmp_path / "hb.json", "engine-0")
+    with module.busy("weight_update", 2):
+        assert hb.flush()
+        beat = read_beat(tmp_path / "hb.json")
+        assert (beat.phase, beat.step, beat.busy) == ("weight_update", 2, True)
+        module.reached("weight_broadcast")
+    module.reached("weight_broadcast")  # outside any work: no step
+    assert seen == [("weight_update", 2), ("weight_broadcast", 2), ("weight_broadcast", None)]
+    assert hb.flush() and read_beat(tmp_path / "hb.json").step is None  # idle again
+
+
 def test_module_functions_do_nothing_until_configured(tmp_path, monkeypatch):
     monkeypatch.setattr(heartbeat, "_heartbeat", None)
     heartbeat.enter("train", 1)
@@ -134,6 +154,15 @@ def test_hang_points_parse_and_match():
     for bad in ("trainer", "trainer:train:x", ":train"):
         with pytest.raises(ValueError, match=HANG_ENV):
             parse_hang_points(bad)
+
+
+def test_a_kill_point_parses_like_a_hang_point_and_names_its_variable(monkeypatch):
+    monkeypatch.setenv(KILL_ENV, "engine-0:weight_broadcast:x")
+    with pytest.raises(ValueError, match=KILL_ENV):
+        maybe_hang("engine-0", "weight_broadcast", 1)
+    monkeypatch.setenv(KILL_ENV, "engine-0:weight_broadcast:2")
+    maybe_hang("engine-0", "weight_broadcast", 1)  # another step: nothing happens
+    maybe_hang("engine-1", "weight_broadcast", 2)  # (that it kills: tests/faults/test_child_process.py)
 
 
 def test_an_injected_hang_ignores_other_processes_and_steps(monkeypatch):

@@ -60,7 +60,7 @@ def test_reference_engines_and_fsdp_trainer(nproc):
     assert e1.log_path == RUN / "logs" / "engine-1.log"
     trainer = by_name(specs)["trainer"]
     assert trainer.argv == [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "dsv4rl.train.torchrun",
         "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", "29500",
         "-m", "dsv4rl.train.worker", "--config", "/runs/r1/config.yaml",

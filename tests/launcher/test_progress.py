@@ -46,6 +46,34 @@ def test_tail_notices_a_rewritten_file(tmp_path):
     assert tail.read_new() == [{"step": 4}] and not tail.rewritten
 
 
+def test_a_tail_of_only_new_lines_never_returns_an_earlier_runs_steps(tmp_path):
+    """The supervisor's tail: a resumed run's display and summary are its own steps. The trainer cuts the
+    file back to the checkpoint's step and appends; the lines it kept are the earlier run's, and a run that
+    fails before its first step has no step of its own at all."""
+    path = tmp_path / "metrics.jsonl"
+    earlier = [json.dumps(record(s, reward_mean=0.1 * s)) for s in (1, 2, 3)]
+    path.write_text("".join(line + "\n" for line in earlier))
+    tail = MetricsTail(path, only_new=True)
+    assert tail.read_new() == []
+    path.write_text(earlier[0] + "\n")  # resume from the step-1 checkpoint
+    with path.open("a") as f:
+        f.write(json.dumps(record(2, reward_mean=0.9)) + "\n")
+    assert tail.read_new() == [record(2, reward_mean=0.9)]
+    assert MetricsTail(tmp_path / "missing.jsonl", only_new=True).read_new() == []
+
+
+def test_the_summary_of_a_resumed_run_shows_its_own_steps():
+    out = io.StringIO()
+    console = Console(file=out, width=120, force_terminal=False, color_system=None)
+    progress = RunProgress(total_steps=4)
+    for step in (3, 4):
+        progress.add(record(step, reward_mean=0.25 * step))
+    console.print(progress.summary("/runs/x", "finished"))
+    text = out.getvalue()
+    assert "4 / 4 (steps 3-4 in this run: resumed)" in text and "final reward   1" in text
+    assert "10.0 s" in text  # two steps of 5 s: this run's time only
+
+
 def test_progress_totals_and_shares():
     progress = RunProgress(total_steps=10)
     progress.add(record(1))

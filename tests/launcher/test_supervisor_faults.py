@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -16,12 +17,12 @@ import pytest
 from rich.console import Console
 
 from dsv4rl.config.schema import ProcessRole
-from dsv4rl.faults.inject import HANG_ENV
+from dsv4rl.faults.inject import HANG_ENV, KILL_ENV
 from dsv4rl.launcher.plan import ProcessSpec
 from dsv4rl.launcher.supervisor import Supervisor
 
 ENGINE = r"""
-import http.server, os, sys, threading
+import http.server, os, sys, threading, urllib.parse
 from dsv4rl.faults import heartbeat
 from dsv4rl.faults.child import child_process
 
@@ -37,6 +38,10 @@ class Engine(http.server.BaseHTTPRequestHandler):
             generated.set()
             with worker, heartbeat.busy("generate"):
                 pass
+        elif self.path.startswith("/update_weights"):  # a weight update of session `step`
+            step = int(urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)["step"][0])
+            with worker, heartbeat.busy("weight_update", step):
+                heartbeat.reached("weight_broadcast")
         elif self.path == "/health_generate":  # the supervisor's probe
             probes.append(1)
             if os.environ.get("FAKE_PROBE_503") == "1":  # the supervisor never sees it healthy itself
@@ -60,7 +65,7 @@ with child_process("engine"):
 
 TRAINER = r"""
 import sys, time, urllib.request
-from dsv4rl.faults import heartbeat
+from dsv4rl.faults import heartbeat, notices
 from dsv4rl.faults.child import child_process
 
 port, mode = int(sys.argv[1]), sys.argv[2]
@@ -80,6 +85,10 @@ def train(step):
     heartbeat.enter("train", step)
     time.sleep(0.05)
 
+def sync(step):
+    heartbeat.enter("sync", step)
+    urllib.request.urlopen(f"http://127.0.0.1:{port}/update_weights?step={step}", timeout=600).read()
+
 def wait_for_engine():  # as the real trainer does: it starts with the engine and waits for it
     # (on /health, so that FAKE_LATE_PROBE delays only the supervisor's /health_generate probes)
     for _ in range(1200):
@@ -89,9 +98,12 @@ def wait_for_engine():  # as the real trainer does: it starts with the engine an
             time.sleep(0.05)
 def run_steps():
     wait_for_engine()
+    if mode == "notice":
+        notices.notify("checkpoint step_2 cannot be loaded; falling back to step_1")
     for step in (1, 2, 3):
         rollout(step)
         train(step)
+        sync(step)
     if mode == "raise":
         raise ValueError("the batch has no samples")
 
@@ -228,6 +240,46 @@ def test_the_startup_wait_ends_once_the_trainer_is_past_its_own(tmp_path):
 def test_a_long_phase_that_keeps_progressing_is_no_hang(tmp_path):
     code, out, sup = supervise(fake_run(tmp_path, "slow"), tmp_path, step_timeout_s=2.0)
     assert code == 0 and sup.hang is None and "hang" not in out
+
+
+def test_an_engine_stuck_in_a_weight_update_is_named_while_the_trainer_waits_in_sync(tmp_path):
+    specs = fake_run(tmp_path, **{HANG_ENV: "engine-0:weight_update:2"})
+    code, out, _ = supervise(specs, tmp_path, step_timeout_s=1.5)
+    assert code == 1
+    named = (
+        r"in phase sync at step 2 \(run.step_timeout_s=1.5\): engine-0 did not advance, "
+        r"busy in weight_update for [\d.]+ s while trainer-rank0 waits on it in sync at step 2"
+    )
+    assert re.search(named, out), out
+    assert re.search(r"engine-0: busy in weight_update at step 2 for [\d.]+ s \(pid \d+\)", out), out
+    engine_stacks = (tmp_path / "logs" / "stacks-engine-0.txt").read_text()
+    assert "in do_GET" in engine_stacks and "in block_forever" in engine_stacks
+    assert "in sync" in (tmp_path / "logs" / "stacks-trainer-rank0.txt").read_text()
+
+
+def test_an_engine_killed_in_a_weight_broadcast_is_named_with_the_work_and_the_trainers_phase(tmp_path):
+    """DSV4RL_INJECT_KILL: SIGKILL inside the engine's weight update of step 2, as a lost machine or the
+    out-of-memory killer would: no exception, no crash report; the heartbeat says where it was."""
+    specs = fake_run(tmp_path, **{KILL_ENV: "engine-0:weight_broadcast:2"})
+    code, out, _ = supervise(specs, tmp_path, step_timeout_s=30)
+    assert code == 128 + signal.SIGKILL, out
+    assert (
+        "✗ engine-0 was killed by SIGKILL (exit code -9) during weight_update at step 2; "
+        "trainer-rank0 was in sync at step 2"
+    ) in out, out
+    assert f"{KILL_ENV}: engine-0 is killed in weight_broadcast at step 2 (test hook)" in out  # its log tail
+    assert not (tmp_path / "logs" / "crash-engine-0.json").exists()
+
+
+def test_a_childs_notice_reaches_the_console_once(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    earlier = {"process": "trainer-rank0", "message": "earlier run"}
+    (logs / "notice-trainer-rank0.jsonl").write_text(json.dumps(earlier) + "\n")
+    code, out, _ = supervise(fake_run(tmp_path, "notice"), tmp_path, step_timeout_s=30)
+    assert code == 0, out
+    assert out.count("! trainer-rank0: checkpoint step_2 cannot be loaded; falling back to step_1") == 1, out
+    assert "earlier run" not in out
 
 
 def test_a_trainer_exception_is_shown_as_the_root_cause(tmp_path):

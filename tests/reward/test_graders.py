@@ -4,16 +4,16 @@ import pickle
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
+from dataset_files import DATA
 from dsv4rl.config.schema import RewardConfig
 from dsv4rl.reward import GRADERS, MathVerifyGrader, get_grader, grade_batch, grader_from_config
 from dsv4rl.reward.normalize import last_boxed, normalize_final_answer
 from dsv4rl.reward.verify_pool import TIMED_OUT, VerifyPool
 
-SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "dapo_math_17k_sample300.jsonl"
+SAMPLE = DATA / "dapo_math_17k_sample300.jsonl"
 
 
 def _blocked_sleep(seconds: float) -> str:
@@ -125,7 +125,7 @@ def test_grade_batch_without_batched_path():
 
 def _dapo_rows():
     if not SAMPLE.is_file():
-        pytest.skip(f"{SAMPLE} not present")
+        pytest.skip(f"{SAMPLE} not present: set DSV4RL_DATA_DIR to the data sets' directory")
     return [json.loads(line)["reward_model"]["ground_truth"] for line in SAMPLE.read_text().splitlines()]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import subprocess
 import sys
@@ -12,9 +13,11 @@ import pytest
 import torch
 
 from dsv4rl.train.checkpoint import (
+    CheckpointUnreadable,
     checkpoint_dir,
     latest_checkpoint,
     load_checkpoint,
+    load_newest,
     prune_checkpoints,
     save_checkpoint,
 )
@@ -146,3 +149,88 @@ def test_save_leaves_no_openmp_threads_behind(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     before, after = map(int, run.stdout.split())
     assert after == before
+
+
+# ------------------------------------------------------------------- durability and unreadable checkpoints
+def test_a_checkpoint_is_fsynced_before_its_rename_and_its_directory_after(tmp_path, monkeypatch):
+    """A machine crash must never leave a `step_N` whose files are empty or short: the rename reaches the
+    disk before the data on ext4 and XFS unless the data was fsynced first."""
+    import dsv4rl.train.checkpoint as module
+
+    events = []
+    monkeypatch.setattr(module, "fsync_tree", lambda path: events.append(("tree", Path(path).name)))
+    monkeypatch.setattr(module, "fsync_dir", lambda path: events.append(("dir", Path(path).name)))
+    monkeypatch.setattr(module, "fsync_file", lambda path: events.append(("file", Path(path).name)))
+    real_rename = Path.rename
+
+    def rename(self: Path, to: Path) -> Path:
+        if self.name.startswith("step_"):  # not DCP's own .metadata.tmp
+            events.append(("rename", self.name))
+        return real_rename(self, to)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    model, opt, counters = make(0)
+    save_checkpoint(checkpoint_dir(tmp_path / "checkpoints", 2), model, opt, counters)
+    assert events == [
+        ("file", "extra_rank00000.pt"),  # each rank its own file
+        ("tree", "step_00000002.tmp"),  # rank 0: every file and directory, trainer_state.pt included
+        ("rename", "step_00000002.tmp"),
+        ("dir", "checkpoints"),  # the rename
+        ("dir", tmp_path.name),  # the checkpoints/ directory's own entry
+    ]
+
+
+def _truncate(checkpoint: Path, pattern: str) -> None:
+    for path in checkpoint.glob(pattern):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _two_checkpoints(root: Path):
+    """Checkpoints of step 1 and step 2 with different weights; returns a model and the step-1 weights."""
+    model, opt, counters = make(0)
+    train(model, opt, counters, 1, seed=1)
+    save_checkpoint(checkpoint_dir(root, 1), model, opt, counters, extra_state={"cursor": 1})
+    at_step_1 = {k: v.clone() for k, v in model.state_dict().items()}
+    train(model, opt, counters, 1, seed=2)
+    save_checkpoint(checkpoint_dir(root, 2), model, opt, counters, extra_state={"cursor": 2})
+    return at_step_1
+
+
+@pytest.mark.parametrize("broken", ["*.distcp", "trainer_state.pt", "extra_rank00000.pt", ".metadata"])
+def test_an_unreadable_newest_checkpoint_is_named_and_the_one_before_is_loaded(tmp_path, caplog, broken):
+    at_step_1 = _two_checkpoints(tmp_path)
+    _truncate(checkpoint_dir(tmp_path, 2), broken)
+    fresh, opt, _ = make(5)
+    with caplog.at_level(logging.WARNING):
+        path, (counters, extra) = load_newest(tmp_path, lambda d: load_checkpoint(d, fresh, opt))
+    assert path == checkpoint_dir(tmp_path, 1) and counters["step"] == 1 and extra == {"cursor": 1}
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, at_step_1[key]), key  # all of step 1, whatever step 2's attempt wrote
+    newest = checkpoint_dir(tmp_path, 2)
+    file = {"*.distcp": "model/optimizer shards (*.distcp)"}.get(broken, broken)
+    assert f"checkpoint {newest} cannot be loaded ({file}: " in caplog.text
+    assert "; falling back to step_00000001" in caplog.text
+    assert f"resumed from the older checkpoint {checkpoint_dir(tmp_path, 1)} instead" in caplog.text
+
+
+def test_small_files_are_read_before_the_model_is_touched(tmp_path):
+    _two_checkpoints(tmp_path)
+    (checkpoint_dir(tmp_path, 2) / "trainer_state.pt").write_bytes(b"\x80\x04garbage")
+    fresh, opt, _ = make(5)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointUnreadable, match="00002 cannot be loaded: trainer_state.pt: Unpickling"):
+        load_checkpoint(checkpoint_dir(tmp_path, 2), fresh, opt)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+
+
+def test_when_no_checkpoint_loads_every_one_is_named_with_the_way_out(tmp_path):
+    _two_checkpoints(tmp_path)
+    for step in (1, 2):
+        _truncate(checkpoint_dir(tmp_path, step), "*.distcp")
+    fresh, opt, _ = make(5)
+    with pytest.raises(CheckpointUnreadable) as raised:
+        load_newest(tmp_path, lambda d: load_checkpoint(d, fresh, opt))
+    message = str(raised.value)
+    assert message.startswith(f"none of the 2 checkpoint(s) in {tmp_path} loads (step_00000002: ")
+    assert "; step_00000001: " in message and "move them away (or use a new run.dir)" in message
+    assert load_newest(tmp_path / "empty", lambda d: None) is None

@@ -44,6 +44,11 @@ def test_sync_weights_verifies_when_due_and_stops_on_a_failed_check(monkeypatch)
     calls: list[tuple] = []
 
     class Engine:
+        device = torch.device("cpu")
+
+        def local_weights(self):
+            yield "embed.weight", torch.ones(2)
+
         def named_weights_for_sync(self, by_stage=False):
             calls.append(("export", by_stage))
             yield "embed.weight", torch.ones(2)

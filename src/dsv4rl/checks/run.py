@@ -241,6 +241,13 @@ def check_data_reward_eval(cfg: Config, add: Add) -> None:
         add(f"reward.grader={r.grader!r} is unknown; choose one of {', '.join(GRADERS)}")
     if r.timeout_s <= 0:
         add(f"reward.timeout_s must be > 0 (got {r.timeout_s})")
+    if r.num_workers < 1:
+        add(f"reward.num_workers must be >= 1 (got {r.num_workers}): grader worker processes")
+    if not 0.0 <= r.max_error_fraction <= 1.0:
+        add(
+            f"reward.max_error_fraction must be in [0, 1] (got {r.max_error_fraction}): the fraction of a "
+            "batch's grader calls that may raise before the run stops"
+        )
     if d.holdout < 0:
         add(f"data.holdout must be >= 0 (got {d.holdout})")
     if cfg.eval is not None:
@@ -300,6 +307,8 @@ def check_run(cfg: Config, add: Add) -> None:
         add(f"train.keep_checkpoints must be >= 1 (got {t.keep_checkpoints})")
     if t.log_every < 1:
         add(f"train.log_every must be >= 1 (got {t.log_every})")
+    if t.max_nonfinite_steps < 0:
+        add(f"train.max_nonfinite_steps must be >= 0 (got {t.max_nonfinite_steps}; 0: stop at the first)")
     if s.bucket_bytes <= 0:
         add(f"sync.bucket_bytes must be > 0 (got {s.bucket_bytes})")
     if s.pause_mode not in PAUSE_MODES:
@@ -333,6 +342,11 @@ def check_run(cfg: Config, add: Add) -> None:
         add("run.dir must not be empty")
     if cfg.run.step_timeout_s < 0:
         add(f"run.step_timeout_s must be >= 0 (got {cfg.run.step_timeout_s}; 0 turns the hang watchdog off)")
+    if cfg.run.stop_grace_s <= 0:
+        add(
+            f"run.stop_grace_s must be > 0 (got {cfg.run.stop_grace_s}): how long a graceful stop (SIGTERM, "
+            "SIGUSR1) may take to end the step and write its checkpoint"
+        )
     a = cfg.align
     if a.prompts < 1 or a.samples_per_prompt < 1 or a.worst_tokens < 0:
         add(

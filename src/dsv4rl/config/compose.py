@@ -126,6 +126,7 @@ def compose(recipe: str, overrides: list[str] | None = None, recipes_dir: Path |
     _check_schema_listed(root / f"{recipe}.yaml")
     groups = list_groups(root)
     _check_overrides(overrides, groups)
+    overrides = [_resume_as_choice(text) for text in overrides]
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
     if GlobalHydra.instance().is_initialized():
@@ -152,6 +153,8 @@ def load_config_file(path: str | Path) -> Config:
     path = Path(path)
     try:
         raw = OmegaConf.load(path)
+        if isinstance(raw, DictConfig) and isinstance(raw.get("resume"), bool):  # written when it was a bool
+            raw.resume = str(raw.resume).lower()
         merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except FileNotFoundError:
@@ -209,6 +212,19 @@ def _check_overrides(overrides: list[str], groups: dict[str, list[str]]) -> None
                     f"unknown option {value!r} for config group {key!r}; "
                     f"options in {key}: {', '.join(groups[key])}"
                 )
+
+
+def _resume_as_choice(text: str) -> str:
+    """`resume=true` / `resume=false` as the ResumeMode names: Hydra reads them as booleans, which the
+    enum-typed key would refuse, and `resume` was a bool before it took `auto`."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    key, _, _ = text.partition("=")
+    if key.lstrip("+~") != "resume":
+        return text
+    (override,) = OverridesParser.create().parse_overrides([text])
+    value = override.value()
+    return f"{key}={str(value).lower()!r}" if isinstance(value, bool) else text
 
 
 # --------------------------------------------------------------------------------------------------

@@ -151,6 +151,18 @@ class PauseMode(Choice):
     in_place = "in_place"  # kept with their (stale) KV cache
 
 
+class ResumeMode(Choice):
+    """`resume=`: what a run does with the checkpoints already in its run dir. Reads like the bool it
+    replaces (`if cfg.resume:` is true for `true` and `auto`); `resume=true/false` still parse."""
+
+    false = "false"  # a fresh run; refused when run.dir holds one
+    true = "true"  # continue from the newest checkpoint (a notice, then a fresh start, when there is none)
+    auto = "auto"  # continue when there is a checkpoint, start fresh when there is none (requeued jobs)
+
+    def __bool__(self) -> bool:
+        return self is not ResumeMode.false
+
+
 class SyncLoadFormat(Choice):
     """How a bucket crosses the wire: SGLang's `load_format` of /update_weights_from_distributed and
     /update_weights_from_tensor."""
@@ -457,9 +469,12 @@ class DataConfig:
 @dataclass
 class RewardConfig:
     grader: GraderName = GraderName.arith
-    timeout_s: float = 5.0
+    timeout_s: float = 5.0  # per grader call in a worker pool (math_verify; every grader in eval)
     correct: float = 1.0
     incorrect: float = 0.0
+    num_workers: int = 1  # grader worker processes (math_verify; every grader in eval)
+    # A batch where more than this fraction of grader calls raised stops the run (never train on zeros)
+    max_error_fraction: float = 0.05
 
 
 @dataclass
@@ -486,6 +501,9 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: never
     keep_checkpoints: int = 2
     log_every: int = 1  # the supervisor prints a step line every that many steps (metrics.jsonl: all)
+    # Optimizer steps with a NaN/Inf loss or gradient norm skipped in a row before the run stops (0: stop at
+    # the first); a skipped step leaves weights, optimizer state and lr schedule as they were.
+    max_nonfinite_steps: int = 3
 
 
 @dataclass
@@ -606,13 +624,16 @@ class RunConfig:
     step_timeout_s: float = 1800.0
     # Start even when the memory plan (`dsv4rl plan`) says a GPU needs more than the device has.
     force_memory_plan: bool = False
+    # SIGTERM/SIGUSR1 to `dsv4rl train` (or a trainer rank): the trainer ends its step, checkpoints and
+    # exits; if it has not within this many seconds, every process is stopped at once (docs/faults.md).
+    stop_grace_s: float = 600.0
 
 
 @dataclass
 class Config:
     recipe: str = "custom"
     seed: int = 0
-    resume: bool = False
+    resume: ResumeMode = ResumeMode.false
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

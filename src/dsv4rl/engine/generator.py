@@ -124,6 +124,7 @@ class Generator:
         self._running: list[GenRequest] = []
         self._rids: dict[str, GenRequest] = {}
         self._paused = False
+        self._frozen = False  # the worker holds a batch, paused in place between two steps
         self._pause_mode: PauseMode | None = None
         self._writers = 0
         self._counter = 0
@@ -171,6 +172,12 @@ class Generator:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    @property
+    def frozen(self) -> bool:
+        """Whether an in-place pause holds a running batch between two steps (no step is in flight)."""
+        with self._cond:
+            return self._frozen
 
     def pause(self, mode: PauseMode | str = PauseMode.abort) -> None:
         """Stop taking work; `abort` returns once the running batch has ended."""
@@ -405,7 +412,9 @@ class Generator:
                     self._cond.notify_all()
                     return []
                 if self._paused and self._pause_mode == PauseMode.in_place:
+                    self._frozen = True
                     self._cond.wait()
+                    self._frozen = False
                     continue
                 return batch
 

@@ -84,6 +84,7 @@ class Engine:
         self.shutting_down = False
         self.session_open = False
         self.session_sent: set[str] = set()  # tensors written in the open session
+        self.sessions = 0  # sessions opened; an update's heartbeat step is its session's number, from 0
         self.spent: str | None = None  # why the weights must not be served (emulated post-processing)
         self.receiver = receiver
         self.startup_time = time.time()
@@ -97,6 +98,13 @@ class Engine:
     # ------------------------------------------------------------------------------------------ session
     def open_session(self) -> None:
         self.session_open, self.session_sent = True, set()
+        self.sessions += 1
+
+    @property
+    def session_step(self) -> int | None:
+        """The open (or last) session's number from 0: the push at start is 0, then the trainer's step
+        (in a run that did not resume). None before any session."""
+        return self.sessions - 1 if self.sessions else None
 
     def update_failed(self, error: str) -> None:
         """An update request failed inside the open session. Emulating SGLang's non-idempotent path, a

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4rl.engine.weight_store import HeldWeights, PlannedTensor
+from dsv4rl.faults import heartbeat
 from dsv4rl.wire.layout import FLATTENED_BUCKET, flattened_offsets, unflatten_bucket
 from dsv4rl.wire.process_group import (
     BACKENDS,
@@ -127,7 +128,9 @@ class WeightReceiver:
             if load_format == FLATTENED_BUCKET:
                 _, total = flattened_offsets([p.dtype for p in plan], [p.shape for p in plan])
                 buffer = torch.empty(total, dtype=torch.uint8, device=device)
-                dist.broadcast(buffer, src=0, group=pg)
+                work = dist.broadcast(buffer, src=0, group=pg, async_op=True)
+                heartbeat.reached("weight_broadcast")  # tensors in flight: a test's fault point
+                work.wait()
                 received = unflatten_bucket(buffer, [p.dtype for p in plan], [p.shape for p in plan])
             else:
                 received = [torch.empty(p.shape, dtype=p.dtype, device=device) for p in plan]
@@ -135,6 +138,7 @@ class WeightReceiver:
                     dist.broadcast(transport_view(t, backend), src=0, group=pg, async_op=True)
                     for t in received
                 ]
+                heartbeat.reached("weight_broadcast")
                 for work in works:
                     work.wait()
             self.held.commit({p.name: tensor for p, tensor in zip(plan, received, strict=True)})

@@ -200,7 +200,7 @@ async def update_weights_from_distributed(request: Request) -> JSONResponse:
         generator.abort(abort_all=True)
 
     def run() -> bool:
-        with generator.exclusive(), heartbeat.busy("weight_update"):
+        with generator.exclusive(), heartbeat.busy("weight_update", engine.session_step):
             receiver.receive(body.names, body.dtypes, body.shapes, body.group_name, body.load_format)
             engine.session_sent.update(body.names)
             if body.flush_cache and generator.busy():
@@ -241,7 +241,7 @@ async def update_weights_from_tensor(request: Request) -> JSONResponse:
         received = receive_tensors(
             engine.weights, body.serialized_named_tensors, body.load_format, engine.args.tp_size
         )
-        with generator.exclusive(), heartbeat.busy("weight_update"):
+        with generator.exclusive(), heartbeat.busy("weight_update", engine.session_step):
             engine.weights.commit(received)
             engine.session_sent.update(received)
             if body.flush_cache and generator.busy():

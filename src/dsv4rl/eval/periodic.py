@@ -1,7 +1,10 @@
 """Training's own eval: every `eval.every_steps` steps, right after the weight sync, rank 0 samples the
 recipe's eval set on the rollout engines (which now hold that step's weights) and the step's line of
 metrics.jsonl gets `eval/pass@k` (the recipe's `eval.k`), `eval/avg@n`, `eval/maj@n`,
-`eval/truncation_ratio`, `eval/response_len_mean`; the full report goes to `<run.dir>/eval/step_<N>.json`.
+`eval/truncation_ratio`, `eval/response_len_mean`, and the grading's `eval_grader_timeouts`,
+`eval_grader_errors`, `eval_grader_restarts` (counts, kept out of `eval/` and its score plot); the full
+report goes to `<run.dir>/eval/step_<N>.json`. The grader runs in its own worker pool (`eval_grader`),
+so a response that would take a grader minutes costs `reward.timeout_s`, not the step.
 """
 
 from __future__ import annotations
@@ -13,8 +16,7 @@ from typing import Any
 
 from dsv4rl.config.schema import Config
 from dsv4rl.eval.data import eval_problems
-from dsv4rl.eval.run import evaluate_on_engines, write_report
-from dsv4rl.reward.graders import get_grader
+from dsv4rl.eval.run import eval_grader, evaluate_on_engines, write_report
 from dsv4rl.wire.engine_api import EngineAPI
 
 __all__ = ["PeriodicEval", "eval_metrics"]
@@ -26,7 +28,11 @@ def eval_metrics(report: dict[str, Any], ks: Sequence[int]) -> dict[str, float |
     """The report's numbers that go into metrics.jsonl, under `eval/`."""
     n = report["samples_per_problem"]
     keys = [f"pass@{k}" for k in ks] + [f"avg@{n}", f"maj@{n}", "truncation_ratio", "response_len_mean"]
-    return {f"eval/{key}": report[key] for key in keys}  # its time: the step's time_eval_s
+    metrics: dict[str, float | None] = {f"eval/{key}": report[key] for key in keys}  # time: time_eval_s
+    grading = report.get("grading")
+    if grading is not None:
+        metrics |= {f"eval_grader_{key}": grading[key] for key in ("timeouts", "errors", "restarts")}
+    return metrics
 
 
 class PeriodicEval:
@@ -41,7 +47,7 @@ class PeriodicEval:
         self.cfg, self.clients, self.tokenizer, self.event_loop = cfg, clients, tokenizer, event_loop
         self.directory = Path(run_dir) / "eval"
         self.problems = eval_problems(cfg)  # a data problem stops the run before its first step
-        self.grader = get_grader(cfg.eval.grader, reward=cfg.reward)
+        self.grader = eval_grader(cfg)  # its pool starts on the first eval and lives as long as the run
         self.ks = sorted(set(cfg.eval.k))
 
     def due(self, step: int) -> bool:

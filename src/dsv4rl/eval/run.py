@@ -20,12 +20,19 @@ from typing import Any
 from dsv4rl.config.schema import Config, EvalConfig
 from dsv4rl.data.problems import Problem
 from dsv4rl.eval.scores import ProblemResult, problem_row, score_problems
-from dsv4rl.reward.graders import Grader, grade_batch
+from dsv4rl.reward.graders import DEFAULT_MAX_ERROR_FRACTION, Graded, Grader, get_grader, grade_responses
 from dsv4rl.rollout.generate import generate_samples
 from dsv4rl.rollout.types import Sample
 from dsv4rl.wire.engine_api import EngineAPI
 
-__all__ = ["REPORT_FILE", "ResponsesError", "evaluate_on_engines", "evaluate_responses", "write_report"]
+__all__ = [
+    "REPORT_FILE",
+    "ResponsesError",
+    "eval_grader",
+    "evaluate_on_engines",
+    "evaluate_responses",
+    "write_report",
+]
 
 REPORT_FILE = "eval.json"
 
@@ -34,22 +41,31 @@ class ResponsesError(ValueError):
     """A saved-responses file that cannot be graded; the message names the line and the fix."""
 
 
+def eval_grader(cfg: Config) -> Grader:
+    """The recipe's eval grader in a worker pool: every call (the answers maj@n votes on too) under
+    `reward.timeout_s`, in `reward.num_workers` processes, so no response can stall an eval."""
+    return get_grader(cfg.eval.grader, reward=cfg.reward, pooled=True)
+
+
 def grade_results(
     problems: Sequence[Problem],
     responses: Sequence[Sequence[str]],
     grader: Grader,
     samples: Sequence[Sequence[Sample]] | None = None,
-) -> tuple[list[ProblemResult], float]:
-    """Grade every response (one pool round for all of them) -> results and the seconds grading took."""
+    max_error_fraction: float = DEFAULT_MAX_ERROR_FRACTION,
+) -> tuple[list[ProblemResult], float, Graded]:
+    """Grade every response and read its final answer (one pool round for all of them) -> results,
+    the seconds grading took, and the grading's timeouts and errors."""
     flat = [text for texts in responses for text in texts]
     answers = [p.answer for p, texts in zip(problems, responses, strict=True) for _ in texts]
     start = time.monotonic()
-    grades = grade_batch(grader, flat, answers)
+    graded = grade_responses(grader, flat, answers, answers=True, max_error_fraction=max_error_fraction)
     seconds = time.monotonic() - start
+    grades, final_answers = graded.rewards, graded.answers or []
     correct_value = getattr(grader, "correct", 1.0)
     results, at = [], 0
     for index, (problem, texts) in enumerate(zip(problems, responses, strict=True)):
-        mine = grades[at : at + len(texts)]
+        mine, stated = grades[at : at + len(texts)], final_answers[at : at + len(texts)]
         at += len(texts)
         sampled = samples[index] if samples is not None else None
         results.append(
@@ -57,17 +73,22 @@ def grade_results(
                 id=problem.id,
                 answer=problem.answer,
                 correct=[g == correct_value for g in mine],
-                final_answers=[grader.final_answer(text) for text in texts],
+                final_answers=stated,
                 lengths=[len(s.response_ids) for s in sampled] if sampled is not None else None,
                 truncated=[s.truncated for s in sampled] if sampled is not None else None,
                 responses=list(texts),
             )
         )
-    return results, seconds
+    return results, seconds, graded
 
 
 def build_report(
-    cfg: EvalConfig, results: list[ProblemResult], seconds: dict[str, float], sampled: bool, **extra: Any
+    cfg: EvalConfig,
+    results: list[ProblemResult],
+    seconds: dict[str, float],
+    sampled: bool,
+    graded: Graded,
+    **extra: Any,
 ) -> dict[str, Any]:
     return {
         **score_problems(results),
@@ -76,6 +97,7 @@ def build_report(
         "grader": cfg.grader,
         "sampling": asdict(cfg.sampling) if sampled else None,  # saved responses: not sampled here
         "seconds": seconds,
+        "grading": graded.summary(),  # timeouts, errors by exception type, pool restarts
         **extra,
         "per_problem": [problem_row(r) for r in results],
     }
@@ -101,12 +123,15 @@ def evaluate_on_engines(
         samples[i * e.samples_per_problem : (i + 1) * e.samples_per_problem] for i in range(len(problems))
     ]
     responses = [[s.response_text for s in group] for group in by_problem]
-    results, grade_s = grade_results(problems, responses, grader, by_problem)
+    results, grade_s, graded = grade_results(
+        problems, responses, grader, by_problem, cfg.reward.max_error_fraction
+    )
     return build_report(
         e,
         results,
         {"generate": generate_s, "grade": grade_s},
         True,
+        graded,
         engines=[getattr(c, "base_url", str(c)) for c in clients],
         unknown_ids=[],
         missing=[],
@@ -138,7 +163,11 @@ def read_responses(path: Path) -> list[tuple[int, str, list[str]]]:
 
 
 def evaluate_responses(
-    cfg: EvalConfig, problems: Sequence[Problem], path: Path, grader: Grader
+    cfg: EvalConfig,
+    problems: Sequence[Problem],
+    path: Path,
+    grader: Grader,
+    max_error_fraction: float = DEFAULT_MAX_ERROR_FRACTION,
 ) -> dict[str, Any]:
     """Grade saved generations. Ids must match the data set's; unknown ids and problems without
     responses are listed in the report (`unknown_ids`, `missing`), never dropped silently."""
@@ -165,12 +194,15 @@ def evaluate_responses(
             f"{path}: problems have different numbers of responses ({counts}); pass@k needs the same n "
             "for every problem"
         )
-    results, grade_s = grade_results(graded, [given[p.id] for p in graded], grader)
+    results, grade_s, grading = grade_results(
+        graded, [given[p.id] for p in graded], grader, None, max_error_fraction
+    )
     return build_report(
         cfg,
         results,
         {"grade": grade_s},
         False,
+        grading,
         responses_file=str(path),
         unknown_ids=unknown,
         missing=missing,

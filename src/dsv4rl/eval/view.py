@@ -48,6 +48,14 @@ def render_eval(report: dict[str, Any], console: Console, report_path: str | Non
         else f"saved responses ({report.get('responses_file')})"
     )
     console.print(f"grader {report['grader']}, {how}; {timing}")
+    grading = report.get("grading") or {}
+    if grading.get("timeouts") or grading.get("errors"):
+        types = ", ".join(f"{kind} x{count}" for kind, count in grading.get("error_types", {}).items())
+        console.print(
+            f"[yellow]grading: {grading['timeouts']} response(s) timed out, {grading['errors']} raised"
+            f"{f' ({types})' if types else ''}, {grading.get('restarts', 0)} pool restart(s); all graded "
+            "incorrect[/yellow]"
+        )
     if report.get("unknown_ids"):
         ids = [u["id"] for u in report["unknown_ids"]]
         console.print(

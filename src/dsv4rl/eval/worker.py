@@ -16,11 +16,10 @@ from pathlib import Path
 
 from dsv4rl.config.compose import load_config_file
 from dsv4rl.eval.data import eval_problems
-from dsv4rl.eval.run import evaluate_on_engines, write_report
+from dsv4rl.eval.run import eval_grader, evaluate_on_engines, write_report
 from dsv4rl.faults import heartbeat
 from dsv4rl.faults.child import child_process
 from dsv4rl.model.tiny import load_tokenizer
-from dsv4rl.reward.graders import get_grader
 from dsv4rl.rollout.engines import engine_clients, freeze_engines_gc, wait_for_engines
 from dsv4rl.rollout.generate import rollout_seed
 
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.model if cfg.model.path is None else replace(cfg.model, tokenizer=model_path)
     )
     problems = eval_problems(cfg)
-    grader = get_grader(cfg.eval.grader, reward=cfg.reward)
+    grader = eval_grader(cfg)
     clients = engine_clients(cfg)
     event_loop = asyncio.new_event_loop()
     try:

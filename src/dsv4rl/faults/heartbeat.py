@@ -102,7 +102,7 @@ class Heartbeat:
         self._phase, self._step, self._since = START, None, now
         self._progress_at = now
         self._written_at = float("-inf")
-        self._busy: dict[int, tuple[str, float]] = {}  # token -> (activity, since)
+        self._busy: dict[int, tuple[str, float, int | None]] = {}  # token -> (activity, since, step)
         self._tokens = itertools.count()
         with self._lock:
             self._write()
@@ -112,19 +112,23 @@ class Heartbeat:
         with self._lock:
             self._phase, self._step, self._since = phase, step, self._clock()
             self._write()
-        maybe_hang(self.process, phase, step)
+        maybe_hang(self.process, phase, step, settle=self.flush)
 
     @contextmanager
-    def busy(self, activity: str) -> Iterator[None]:
-        """A piece of a server's work; the process is `idle` again when no piece is left."""
+    def busy(self, activity: str, step: int | None = None) -> Iterator[None]:
+        """A piece of a server's work (of `step`, when it has one); the process is `idle` again when no
+        piece is left."""
         with self._lock:
             token = next(self._tokens)
-            self._busy[token] = (activity, self._clock())
+            self._busy[token] = (activity, self._clock(), step)
             self._write()
+        outer = getattr(_work, "step", None)
+        _work.step = step
         try:
-            maybe_hang(self.process, activity)
+            maybe_hang(self.process, activity, step, settle=self.flush)
             yield
         finally:
+            _work.step = outer
             with self._lock:
                 del self._busy[token]
                 if not self._busy:
@@ -141,8 +145,8 @@ class Heartbeat:
     def beat(self) -> Beat:
         """What the file says now (the lock held)."""
         if self._busy:
-            activity, since = min(self._busy.values(), key=lambda item: item[1])
-            phase, step, busy = activity, self._step, True
+            activity, since, step = min(self._busy.values(), key=lambda item: item[1])
+            phase, busy = activity, True
         else:
             phase, step, since, busy = self._phase, self._step, self._since, False
         progress_at = max(self._progress_at, since)
@@ -183,11 +187,14 @@ class Heartbeat:
 
 
 def _replace(path: Path, record: dict[str, Any]) -> None:
+    # Not fsynced: a beat matters only while its process lives, and an fsync per phase would put the
+    # disk's flush latency on the writer thread (a beat that outlives a machine crash says nothing)
     with contextlib.suppress(OSError):  # a full disk must not stop the run
-        write_json_atomic(path, record)
+        write_json_atomic(path, record, durable=False)
 
 
 _heartbeat: Heartbeat | None = None
+_work = threading.local()  # the step of the piece of work (`busy`) this thread is doing
 
 
 def configure(path: Path, process: str) -> Heartbeat:
@@ -207,12 +214,19 @@ def enter(phase: str, step: int | None = None) -> None:
 
 
 @contextmanager
-def busy(activity: str) -> Iterator[None]:
+def busy(activity: str, step: int | None = None) -> Iterator[None]:
     if _heartbeat is None:
         yield
         return
-    with _heartbeat.busy(activity):
+    with _heartbeat.busy(activity, step):
         yield
+
+
+def reached(point: str) -> None:
+    """A named point inside this thread's piece of work (`busy`), at that work's step: where a test can
+    make the process hang or die (`dsv4rl.faults.inject`). Nothing else happens here."""
+    if _heartbeat is not None:
+        maybe_hang(_heartbeat.process, point, getattr(_work, "step", None), settle=_heartbeat.flush)
 
 
 def progress() -> None:

@@ -15,7 +15,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import TextIO
 
 DUMP_SIGNAL = signal.SIGUSR1
@@ -32,6 +34,17 @@ def register_stack_dump(path: Path, process: str) -> None:
     faulthandler.register(DUMP_SIGNAL, file=stream, all_threads=True, chain=False)
     with contextlib.suppress(AttributeError, ValueError, OSError):  # stderr without a descriptor
         faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def install_beside_dump(handler: Callable[[int, FrameType | None], None]) -> None:
+    """Run a Python `handler` on SIGUSR1 too (a trainer rank's stop request) and keep the stack dump:
+    faulthandler writes the stacks from C first, then chains to the handler. Main thread only."""
+    if not _open_files:  # no dump registered (run by hand)
+        signal.signal(DUMP_SIGNAL, handler)
+        return
+    faulthandler.unregister(DUMP_SIGNAL)  # a registered dump is not re-installed over a new handler
+    signal.signal(DUMP_SIGNAL, handler)
+    faulthandler.register(DUMP_SIGNAL, file=_open_files[-1], all_threads=True, chain=True)
 
 
 def request_dump(pid: int, path: Path, reason: str) -> int | None:

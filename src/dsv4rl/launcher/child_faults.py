@@ -1,5 +1,6 @@
 """The supervisor's side of `dsv4rl.faults`: where its children write their fault files, an earlier run's
-files cleared, this node's live heartbeats, stack dumps on request, and a failed child's root cause.
+files cleared, this node's live heartbeats, stack dumps on request, the children's notices for the
+console, and a failed child's root cause.
 
 Runs resume into the same run dir, so the supervisor removes its children's old heartbeats and crash
 reports before it starts any (stack dumps are appended to, like logs). With several nodes sharing the run
@@ -18,11 +19,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv4rl.config.schema import ProcessRole
-from dsv4rl.faults.files import CRASH, HEARTBEAT, LOG_DIR_ENV, PROCESS_ENV, STACKS, fault_file, files_of
+from dsv4rl.faults.files import (
+    CRASH,
+    HEARTBEAT,
+    LOG_DIR_ENV,
+    NOTICE,
+    PROCESS_ENV,
+    STACKS,
+    fault_file,
+    files_of,
+)
 from dsv4rl.faults.heartbeat import Beat, read_beat
+from dsv4rl.faults.notices import NoticeReader
 from dsv4rl.faults.stacks import request_dump
 from dsv4rl.launcher.plan import ProcessSpec
 from dsv4rl.launcher.root_cause import RootCause, find_root_cause
+from dsv4rl.launcher.watchdog import rank_of, where
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,7 @@ class ChildFaults:
     def __init__(self, specs: Sequence[ProcessSpec], remote_engines: Sequence[str] = ()) -> None:
         self.specs = list(specs)
         self.remote_engines = list(remote_engines)
+        self._notices: dict[Path, NoticeReader] = {}
 
     @staticmethod
     def log_dir(spec: ProcessSpec) -> Path:
@@ -50,7 +63,7 @@ class ChildFaults:
 
     def clear(self) -> None:
         for spec in self.specs:
-            for kind in (HEARTBEAT, CRASH):
+            for kind in (HEARTBEAT, CRASH, NOTICE):
                 for path in files_of(self.log_dir(spec), kind, spec.name):
                     with contextlib.suppress(FileNotFoundError):
                         path.unlink()
@@ -86,8 +99,37 @@ class ChildFaults:
         time.sleep(0.1)  # a dump that has begun is written in one go by the signal handler
         return {path: path not in waiting for path in sorted(sizes)}
 
+    def new_notices(self) -> list[str]:
+        """`process: message` for each notice this node's children wrote since the last call."""
+        lines = []
+        for spec in self.specs:
+            for path in files_of(self.log_dir(spec), NOTICE, spec.name):
+                reader = self._notices.setdefault(path, NoticeReader(path))
+                lines += [f"{r.get('process', spec.name)}: {r['message']}" for r in reader.read_new()]
+        return lines
+
     def root_cause(self, spec: ProcessSpec, log_text: str) -> RootCause | None:
         return find_root_cause(self.log_dir(spec), spec.name, log_text)
+
+    def during(self, spec: ProcessSpec, pid: int) -> str:
+        """Where a server child (`spec`, pid `pid`) was when it died, by its last heartbeat, and where
+        trainer rank 0 was: `" during weight_update at step 2; trainer-rank0 was in sync at step 2"`. Empty
+        when its heartbeat does not say (SGLang engines write none)."""
+        own = [b for b in self._beats(spec) if b.pid == pid and b.host == socket.gethostname()]
+        if not own:
+            return ""
+        text = f" during {where(own[0])}" if own[0].busy else f" ({own[0].phase})"
+        trainers = [
+            b for other in self.specs if other.role == ProcessRole.trainer for b in self._beats(other)
+        ]
+        if trainers:
+            first = min(trainers, key=lambda b: rank_of(b.process))
+            text += f"; {first.process} was in {where(first)}"
+        return text
+
+    def _beats(self, spec: ProcessSpec) -> list[Beat]:
+        paths = files_of(self.log_dir(spec), HEARTBEAT, spec.name)
+        return [beat for path in paths if (beat := read_beat(path)) is not None]
 
 
 def _size(path: Path) -> int:

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsv4rl.faults.files import write_json_atomic
+
 DONE_FILE = "DONE"
 FINISHED = "finished"
 
@@ -32,13 +34,11 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def write_marker(path: Path, status: str, **info: Any) -> None:
-    """Atomically write `{"status": status, "time": ..., "host": ..., **info}` to `path`."""
-    path = Path(path)
+def write_marker(path: Path, status: str, *, durable: bool = True, **info: Any) -> None:
+    """Atomically write `{"status": status, "time": ..., "host": ..., **info}` to `path`; `durable`: fsynced
+    before and after the rename, so a requeued job finds it after a machine crash (`write_json_atomic`)."""
     record = {"status": status, "time": time.time(), "host": socket.gethostname(), **info}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(Path(path), record, durable=durable)
 
 
 def read_status(path: Path) -> str:

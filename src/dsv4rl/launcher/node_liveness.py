@@ -79,18 +79,18 @@ class Heartbeat:
         if now - self._last >= self.interval_s:
             self._last = now
             with contextlib.suppress(OSError):  # a shared-filesystem hiccup: the next beat tries again
-                self._write(RUNNING)
+                self._write(RUNNING, durable=False)  # a beat is stale in seconds: no fsync once a second
 
     def stop(self, status: str, reason: str = "") -> None:
         with contextlib.suppress(OSError):
-            self._write(status, reason=reason)
+            self._write(status, durable=True, reason=reason)
 
-    def _write(self, status: str, **info: Any) -> None:
+    def _write(self, status: str, *, durable: bool, **info: Any) -> None:
         self._beats += 1
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_marker(
-            self.path, status, node=self.node_rank, pid=os.getpid(), started=self._started, beat=self._beats,
-            **info,
+            self.path, status, durable=durable, node=self.node_rank, pid=os.getpid(), started=self._started,
+            beat=self._beats, **info,
         )  # fmt: skip
 
 

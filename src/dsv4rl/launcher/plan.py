@@ -22,7 +22,7 @@ import errno
 import os
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,13 +62,25 @@ class ProcessSpec:
 
 
 class PortInUse(RuntimeError):
-    """A port the plan needs is taken. The message names the port, its use and the override to change it."""
+    """Ports the plan needs are taken. The message names every one (`more`: the others, as (port, host,
+    what)), its use and the overrides that move them (`override`: `key=value`, space-separated)."""
 
-    def __init__(self, port: int, host: str, what: str, override: str):
+    def __init__(
+        self, port: int, host: str, what: str, override: str, more: Sequence[tuple[int, str, str]] = ()
+    ):
         self.port, self.host, self.what, self.override = port, host, what, override
+        self.busy = [(port, host, what), *more]
+        if not more:
+            super().__init__(
+                f"port {port} on {host} ({what}) is already in use; stop whatever listens there "
+                f"(`ss -ltnp 'sport = :{port}'` shows it) or choose another port, e.g. {override}"
+            )
+            return
+        names = ", ".join(f"{p} on {h} ({w})" for p, h, w in self.busy)
+        query = " or ".join(f"sport = :{p}" for p, _, _ in self.busy)
         super().__init__(
-            f"port {port} on {host} ({what}) is already in use; stop whatever listens there "
-            f"(`ss -ltnp 'sport = :{port}'` shows it) or choose another port, e.g. {override}"
+            f"{len(self.busy)} ports are already in use: {names}; stop whatever listens there "
+            f"(`ss -ltnp '( {query} )'` shows it) or choose other ports, e.g. {override}"
         )
 
 
@@ -232,14 +244,15 @@ def sglang_env(cfg: Config, env: Mapping[str, str]) -> dict[str, str]:
 
 
 def trainer_argv(cfg: Config, run_dir: Path, task: Task = Task.train) -> list[str]:
-    """torchrun from this interpreter's environment (`python -m torch.distributed.run`); `dsv4rl eval`
-    runs one evaluating process instead (no trainer: the engines serve the recipe's model)."""
+    """torchrun from this interpreter's environment (`python -m dsv4rl.train.torchrun`: torchrun that
+    leaves SIGTERM and SIGUSR1 to its ranks, for a graceful stop); `dsv4rl eval` runs one evaluating
+    process instead (no trainer: the engines serve the recipe's model)."""
     if task == Task.eval:
         return [sys.executable, "-m", "dsv4rl.eval.worker", "--config", str(config_path(cfg, run_dir))]
     pt = cfg.parallel.train
     task_args = [] if task == Task.train else ["--task", str(task)]
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "dsv4rl.train.torchrun",
         "--nnodes", str(pt.nnodes),
         "--node-rank", str(cfg.cluster.node_rank),
         "--nproc-per-node", str(pt.nproc_per_node),
@@ -380,7 +393,8 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def check_ports(cfg: Config) -> None:
-    """Raise PortInUse (or ValueError on a clash inside the plan) before any process starts."""
+    """Raise PortInUse naming every busy port (or ValueError on a clash inside the plan) before any
+    process starts."""
     ports = planned_ports(cfg)
     seen: dict[int, PlannedPort] = {}
     for p in ports:
@@ -390,15 +404,28 @@ def check_ports(cfg: Config) -> None:
                 f"{seen[p.port].key}"
             )
         seen[p.port] = p
-    for p in ports:
-        if not port_is_free(p.host, p.port):
-            raise PortInUse(p.port, p.host, p.what, _suggest(p, ports))
+    busy = [p for p in ports if not port_is_free(p.host, p.port)]
+    if not busy:
+        return
+    overrides: dict[str, str] = {}  # one per key: it moves every port under it
+    taken: set[int] = set()
+    for p in busy:
+        if p.key not in overrides:
+            overrides[p.key] = _suggest(p, ports, taken)
+            moved = overrides[p.key].rpartition("=")[2]
+            if moved.isdigit():
+                taken |= {int(moved) + q.offset for q in ports if q.key == p.key}
+    first, more = busy[0], [(p.port, p.host, p.what) for p in busy[1:]]
+    raise PortInUse(first.port, first.host, first.what, " ".join(overrides.values()), more)
 
 
-def _suggest(bad: PlannedPort, ports: list[PlannedPort]) -> str:
-    """`key=value` that moves `bad` (and its siblings under the same key) onto free ports."""
+def _suggest(
+    bad: PlannedPort, ports: list[PlannedPort], taken: set[int] | frozenset[int] = frozenset()
+) -> str:
+    """`key=value` that moves `bad` (and its siblings under the same key) onto free ports, clear of the
+    other keys' ports and of `taken` (where other suggestions move theirs)."""
     group = [p for p in ports if p.key == bad.key]
-    others = {p.port for p in ports if p.key != bad.key}
+    others = {p.port for p in ports if p.key != bad.key} | set(taken)
     base = bad.port - bad.offset
     step = 100 if bad.key == "engine.port" else 1
     for k in range(1, 200):

@@ -81,8 +81,9 @@ def become_subreaper() -> bool:
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def child_preexec() -> Callable[[], None] | None:
-    """A preexec_fn: the child gets SIGTERM if the supervisor dies (even by SIGKILL).
+def child_preexec(death_signal: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A preexec_fn: the child gets `death_signal` if the supervisor dies (even by SIGKILL); torchrun gets
+    SIGINT (it ignores SIGTERM, `dsv4rl.train.torchrun`).
 
     Only from the main thread: the kernel fires PDEATHSIG when the *thread* that forked exits.
     """
@@ -92,7 +93,7 @@ def child_preexec() -> Callable[[], None] | None:
     _prctl(0, 0)  # load libc before forking
 
     def setup() -> None:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        _prctl(PR_SET_PDEATHSIG, death_signal)
         if os.getppid() != parent:  # the supervisor died between fork and prctl
             os._exit(1)
 

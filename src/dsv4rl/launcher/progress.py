@@ -7,6 +7,7 @@ when there is no terminal, and a summary at the end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -44,14 +45,22 @@ class MetricsTail:
     A rewritten file (the trainer truncates it to the checkpoint's step on resume) is detected by
     checking that the last line read is still where it was; then reading restarts from the top and
     `rewritten` is set for the caller to reset what it accumulated.
+
+    `only_new`: the lines already in the file when the tail is made (an earlier run's, in a run dir that
+    is resumed) are never returned, even when a rewrite puts them back: what the caller shows and sums
+    up is this run's steps only.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, only_new: bool = False):
         self.path = Path(path)
         self._offset = 0  # just after the last complete line consumed
         self._last = b""  # that line, with its newline
         self.bad_lines = 0
         self.rewritten = False
+        self._earlier: set[int] = set()  # hashes of the lines that were there before (only_new)
+        if only_new:
+            with contextlib.suppress(OSError):
+                self._earlier = {hash(line) for line in self.path.read_bytes().split(b"\n") if line.strip()}
 
     def read_new(self) -> list[dict[str, Any]]:
         self.rewritten = False
@@ -75,7 +84,7 @@ class MetricsTail:
         self._last = lines[-1] + b"\n"
         records = []
         for line in lines:
-            if not line.strip():
+            if not line.strip() or hash(line) in self._earlier:
                 continue
             try:
                 record = json.loads(line)
@@ -111,6 +120,7 @@ class RunProgress:
     def __init__(self, total_steps: int):
         self.total_steps = total_steps
         self.records = 0
+        self.first: dict[str, Any] = {}
         self.last: dict[str, Any] = {}
         self.time = dict.fromkeys((*PHASES, "step"), 0.0)
         self.overlapped = False  # async rollouts: rollout and reward ran in the background
@@ -127,10 +137,17 @@ class RunProgress:
         self._task = self.progress.add_task("train", total=total_steps or None)
 
     @property
+    def first_step(self) -> int | None:
+        """The first step recorded (after a resume: the one after the checkpoint's)."""
+        step = self.first.get("step")
+        return step if isinstance(step, int) else None
+
+    @property
     def step(self) -> int:
         return int(max(self.records, self.last.get("step", 0) or 0))
 
     def add(self, record: dict[str, Any]) -> None:
+        self.first = self.first or record
         self.records += 1
         self.last = record
         self.overlapped = self.overlapped or "async_overlap_s" in record
@@ -202,7 +219,9 @@ class RunProgress:
         head.add_column()
         total = f" / {self.total_steps}" if self.total_steps else ""
         head.add_row("status", status)
-        head.add_row("steps", f"{self.step}{total}")
+        first = self.first_step
+        resumed = f" (steps {first}-{self.step} in this run: resumed)" if (first or 0) > 1 else ""
+        head.add_row("steps", f"{self.step}{total}{resumed}")
         if "reward_mean" in self.last:
             head.add_row("final reward", _fmt(self.last["reward_mean"]))
         head.add_row("time in steps", f"{self.time['step']:.1f} s")

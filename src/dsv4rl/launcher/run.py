@@ -1,26 +1,35 @@
-"""`dsv4rl train` on one node: check ports and the run dir, write the resolved recipe, build the tiny model,
-then hand this node's processes to the `Supervisor`.
+"""`dsv4rl train` on one node: check the run dir's lock, the ports, the run dir and the data, lock the run
+dir, write the resolved recipe, build the tiny model, then hand this node's processes to the `Supervisor`.
+Every refusal comes before anything is written.
 
 Apart from the supervisor so that process handling stays free of run-dir and recipe concerns.
 """
 
 from __future__ import annotations
 
+import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from dsv4rl.config.schema import Config, ProcessRole, Task
+from dsv4rl.checks.data_files import data_file_problems
+from dsv4rl.config.compose import ConfigError
+from dsv4rl.config.schema import Config, ProcessRole, ResumeMode, Task
+from dsv4rl.faults.files import write_text_atomic
+from dsv4rl.faults.stop import clear_stop_files
 from dsv4rl.launcher.marker import DoneMarker
 from dsv4rl.launcher.node_liveness import NodeLiveness
 from dsv4rl.launcher.plan import (
+    ProcessSpec,
     build_local_plan,
     check_ports,
     config_path,
     remote_engine_health,
 )
+from dsv4rl.launcher.run_lock import RunDirInUse, RunLock, unwritable
 from dsv4rl.launcher.supervisor import Supervisor
 from dsv4rl.rollout.engine_keys import EngineKeysError, engines_need_keys, ensure_engine_keys_file
 
@@ -30,27 +39,49 @@ def write_config(cfg: Config, run_dir: Path) -> Path:
     tree = OmegaConf.structured(cfg)
     tree.run.dir = str(run_dir)
     path = config_path(cfg, run_dir)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(OmegaConf.to_yaml(tree, resolve=True))
-    tmp.replace(path)
+    write_text_atomic(path, OmegaConf.to_yaml(tree, resolve=True))  # fsynced: a resume reads it back
     return path
 
 
-class RunDirInUse(ValueError):
-    """The run dir belongs to an earlier run and resume was not asked for."""
+__all__ = ["RunDirInUse", "check_run_dir", "resume_command", "run_training", "write_config"]
 
 
-def check_run_dir(cfg: Config, run_dir: Path) -> None:
-    """A fresh run must not mix its checkpoints and metrics with an earlier run's."""
+def check_run_dir(cfg: Config, run_dir: Path) -> Path | None:
+    """The checkpoint a resumed run continues from (None: a fresh run). A fresh run must not mix its
+    checkpoints and metrics with an earlier run's: resume=false on a run dir with a checkpoint is refused."""
     from dsv4rl.train.checkpoint_dirs import latest_checkpoint
 
-    if cfg.resume:
-        return
     previous = latest_checkpoint(run_dir / "checkpoints")
-    if previous is not None:
+    if previous is not None and not cfg.resume:
         raise RunDirInUse(
-            f"{run_dir} already holds a run (checkpoint {previous.name}): pass resume=true to continue it, "
-            "or choose a new run.dir"
+            f"{run_dir} already holds a run (checkpoint {previous.name}): pass resume=auto (or resume=true) "
+            "to continue it, or choose a new run.dir"
+        )
+    return previous if cfg.resume else None
+
+
+def resume_command(cfg: Config) -> str:
+    """The command that continues this run: this one with resume=auto."""
+    argv = sys.argv[1:]
+    if argv[:1] == ["train"] and any(arg.startswith("recipe=") for arg in argv):
+        kept = [arg for arg in argv[1:] if not arg.lstrip("+~").startswith("resume=")]
+        return shlex.join(["dsv4rl", "train", *kept, "resume=auto"])
+    return f"dsv4rl train recipe={cfg.recipe} run.dir={cfg.run.dir} <the same overrides> resume=auto"
+
+
+def _say_resume(cfg: Config, run_dir: Path, checkpoint: Path | None, console: Console) -> None:
+    """On the console, not only in the trainer's log: whether this run continues one, and from where."""
+    if not cfg.resume:
+        return
+    if checkpoint is not None:
+        console.print(f"resume={cfg.resume}: continuing from {checkpoint}", style="dim", soft_wrap=True)
+    elif cfg.resume == ResumeMode.auto:
+        console.print(f"resume=auto: no checkpoint in {run_dir / 'checkpoints'}: a fresh run", style="dim")
+    else:
+        console.print(
+            f"resume=true, but {run_dir / 'checkpoints'} holds no checkpoint: a fresh run, from step 1",
+            style="bold yellow",
+            soft_wrap=True,
         )
 
 
@@ -61,10 +92,17 @@ def run_training(
     model, run the node's processes to the end."""
     console = console or Console()
     run_dir = Path(cfg.run.dir).resolve()
+    lock = RunLock(run_dir, cfg.cluster.node_rank)  # each node of a run locks its own name
+    holder = lock.holder()
+    if holder is not None:  # a running launcher owns this run dir, whatever ports this one would use
+        raise lock.refused(holder)
     check_ports(cfg)  # before anything is written or started
     remote_engines = remote_engine_health(cfg)  # ConfigError without cluster.node_addrs
-    if task == Task.train:
-        check_run_dir(cfg, run_dir)
+    checkpoint = check_run_dir(cfg, run_dir) if task == Task.train else None
+    problems = data_file_problems(cfg, task)  # the trainer would find them only after the engines are up
+    if problems:
+        listing = problems[0] if len(problems) == 1 else "\n" + "\n".join(f"  - {p}" for p in problems)
+        raise ConfigError(f"recipe {cfg.recipe!r}: {listing}", problems)
     if cfg.model.path is None:
         from dsv4rl.model.model_dir import ModelDirMismatch, check_model_dir
 
@@ -72,14 +110,38 @@ def run_training(
             check_model_dir(cfg.model, run_dir / "model", cfg.quant)
         except ModelDirMismatch as error:
             raise RunDirInUse(str(error)) from None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    if engines_need_keys(cfg):
-        try:
-            ensure_engine_keys_file(run_dir)
-        except EngineKeysError as error:
-            raise RunDirInUse(str(error)) from None
-    write_config(cfg, run_dir)
+    notice = lock.acquire()  # the first write: creates the run dir (one line, not a traceback, if it cannot)
+    try:
+        if notice:
+            console.print(notice, style="bold yellow", soft_wrap=True)
+        if task == Task.train:
+            _say_resume(cfg, run_dir, checkpoint, console)
+        return _run_locked(cfg, run_dir, console, plan_builder, task, remote_engines)
+    finally:
+        lock.release()
+
+
+def _run_locked(
+    cfg: Config,
+    run_dir: Path,
+    console: Console,
+    plan_builder: Callable[..., list[ProcessSpec]],
+    task: Task,
+    remote_engines: list[tuple[str, str]],
+) -> int:
+    """The rest of `run_training`, while this launcher holds the run dir's lock."""
+    try:
+        (run_dir / "logs").mkdir(exist_ok=True)
+        if engines_need_keys(cfg):
+            try:
+                ensure_engine_keys_file(run_dir)
+            except EngineKeysError as error:
+                raise RunDirInUse(str(error)) from None
+        write_config(cfg, run_dir)
+        if task == Task.train and cfg.cluster.node_rank == 0:
+            clear_stop_files(run_dir)  # an earlier run's stop request must not stop this one
+    except OSError as error:
+        raise unwritable(run_dir, error) from None
     if cfg.model.path is None:
         from dsv4rl.config.schema import QuantConfig
         from dsv4rl.model.model_dir import materialize_model, source_model_dir
@@ -113,5 +175,8 @@ def run_training(
         show_progress=node == 0 and task == Task.train,  # nodes share one log under srun: one display
         liveness=liveness,
         log_every=cfg.train.log_every,
+        node_addrs=cfg.cluster.node_addrs,
+        stop_grace_s=cfg.run.stop_grace_s if task == Task.train else 0.0,  # eval, align: a signal ends them
+        resume_hint=resume_command(cfg),
     )
     return supervisor.run()

@@ -4,8 +4,11 @@ Rules: the trainer starts with this node's engines and waits for them itself (th
 while the supervisor waits for their /health_generate too, to name an engine that dies or never answers;
 engines on other nodes must answer before the trainer starts. The run succeeds when every trainer exits 0;
 any other exit (a crash, a kill, an engine quitting early) stops every child and shows the failing child's
-root cause (its exception, or the rank and signal torchrun saw) or else its log tail; Ctrl-C or SIGTERM
-stops every child and returns 130.
+root cause (its exception, or the rank and signal torchrun saw) or else its log tail; Ctrl-C stops every
+child and returns 130. In a training run (`stop_grace_s` > 0) the first SIGTERM or SIGUSR1 is a graceful
+stop: the trainer is asked to stop at its next step boundary (`<run_dir>/STOP`, `dsv4rl.faults.stop`),
+checkpoints and exits, and the run returns STOPPED_EXIT (75) with the command that resumes it; a second
+signal, or `stop_grace_s` without the trainer gone, stops every child at once (130).
 Children run in their own sessions with logs in `<run_dir>/logs/<name>.log`; descendants are tracked so
 none outlives the run. Hang watchdog: a trainer phase without progress for `step_timeout_s` makes every
 child dump its Python stacks (`logs/stacks-<process>.txt`), then the run stops naming the phase and the
@@ -40,16 +43,19 @@ from rich.text import Text
 
 from dsv4rl.config.schema import ProcessRole
 from dsv4rl.faults.heartbeat import START
+from dsv4rl.faults.stop import STOP_SIGNALS, STOPPED_EXIT, StoppedRecord, request_stop
 from dsv4rl.launcher.child_faults import ChildFaults
 from dsv4rl.launcher.marker import FINISHED, DoneMarker
 from dsv4rl.launcher.node_liveness import NodeLiveness
 from dsv4rl.launcher.plan import METRICS_FILE, ProcessSpec
 from dsv4rl.launcher.procs import Tracker, become_subreaper, child_preexec
 from dsv4rl.launcher.progress import MetricsTail, RunProgress
+from dsv4rl.launcher.reachability import unreachable_engines
 from dsv4rl.launcher.watchdog import Hang, describe, find_hang
 from dsv4rl.rollout.client import EngineClient
 
 INTERRUPTED = 130
+STOPPED = "stopped"  # the DONE marker's and the summary's status of a graceful stop
 
 
 @dataclass
@@ -99,7 +105,8 @@ class Supervisor:
     `remote_engines`: (name, health URL) of engines on other nodes, waited for before the trainer starts.
     `done_marker`: with trainers in `specs` (node 0 only), written when the run ends; without trainers
     (a rollout-only node), the run ends when it appears. `show_progress`: tail the metrics (one node).
-    `step_timeout_s`: the hang watchdog's limit (0: off).
+    `step_timeout_s`: the hang watchdog's limit (0: off). `stop_grace_s`: how long a graceful stop may take
+    (0: every signal stops at once, as for `dsv4rl eval`); `resume_hint`: the command that resumes the run.
 
     `run()` makes this process a child subreaper and treats every process reparented to it during the
     run as part of the run: nothing else in this process should start child processes meanwhile.
@@ -123,6 +130,9 @@ class Supervisor:
         show_progress: bool = True,
         liveness: NodeLiveness | None = None,
         log_every: int = 1,
+        node_addrs: Sequence[str] = (),
+        stop_grace_s: float = 0.0,
+        resume_hint: str = "",
     ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -143,23 +153,33 @@ class Supervisor:
         self.done_marker = done_marker
         self.show_progress = show_progress
         self.liveness = liveness  # multi-node: this node's heartbeat, and the nodes it depends on
+        self.node_addrs = list(node_addrs)  # cluster.node_addrs: which node a remote engine's address is
         self._lost_node: str | None = None  # why a node this one depends on is gone
         self._failure = ""  # what failed here, for the final heartbeat
         self.children: list[Child] = []
         self.tracker = Tracker()
         self.progress = RunProgress(total_steps)
         self.log_every = max(1, log_every)  # train.log_every: one printed line every that many steps
-        self._metrics = MetricsTail(self.run_dir / METRICS_FILE)
+        self._metrics = MetricsTail(self.run_dir / METRICS_FILE, only_new=True)  # never an earlier run's
         self._signals: list[int] = []
         self._display: Live | None = None
+        self.stop_grace_s = stop_grace_s
+        self.resume_hint = resume_hint
+        self._stopping: float | None = None  # when the graceful stop began (monotonic)
+        self._at_once = False  # a signal stops every process now (said once)
+        self._gone_while_stopping: set[str] = set()  # children that exited during a graceful stop
+        self._stopped = StoppedRecord(self.run_dir)  # trainer rank 0's record of a stop at a step boundary
+        self._stop_message = ""
 
     # ----------------------------------------------------------------------------------- output
     def _print(self, *objects: object, soft_wrap: bool = False) -> None:
         (self._display.console if self._display else self.console).print(*objects, soft_wrap=soft_wrap)
 
     def _report_failure(self, child: Child, reason: str) -> None:
+        if child.spec.role != ProcessRole.trainer and child.proc.returncode is not None:
+            reason += self.faults.during(child.spec, child.proc.pid)  # an engine: in which work it died
         self._failure = f"{child.name} {reason}"
-        self._print(Text(f"✗ {child.name} {reason}", style="bold red"))
+        self._print(Text(f"✗ {child.name} {reason}", style="bold red"), soft_wrap=True)
         if self._show_root_cause(child):
             return
         tail = log_tail(child.spec.log_path, self.tail_lines, child.log_start)
@@ -206,9 +226,25 @@ class Supervisor:
         self._print(Panel(body, title="every process at the hang", border_style="red", expand=False))
         for path, came in dumps.items():  # whole paths, never wrapped: they are copied into editors
             self._print(Text(f"Python stacks: {path}" + ("" if came else " (no dump came)")), soft_wrap=True)
+        self._name_unreachable()
         return True
 
+    def _name_unreachable(self) -> None:
+        """Multi-node, after the trainer failed or hung: name the engines on other nodes that the network
+        no longer reaches (a partition: their nodes still beat in the shared run dir)."""
+        if not (self.remote_engines and self._trainer_specs()):
+            return
+        for line in unreachable_engines(self.remote_engines, self.node_addrs):
+            self._failure = self._failure or line
+            self._print(Text(f"✗ {line}", style="bold red"), soft_wrap=True)
+
+    def _poll_notices(self) -> None:
+        """Print what the children asked the console to show (`dsv4rl.faults.notices`)."""
+        for line in self.faults.new_notices():
+            self._print(Text(f"! {line}", style="bold yellow"), soft_wrap=True)
+
     def _poll_metrics(self) -> None:
+        self._poll_notices()
         if not self.show_progress:
             return
         records = self._metrics.read_new()
@@ -244,7 +280,10 @@ class Supervisor:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # own process group: signals reach its whole group, Ctrl-C does not
-                preexec_fn=child_preexec(),
+                # torchrun ignores SIGTERM (dsv4rl.train.torchrun): it learns of our death by SIGINT
+                preexec_fn=child_preexec(
+                    signal.SIGINT if spec.role == ProcessRole.trainer else signal.SIGTERM
+                ),
             )
         self.tracker.add_leader(proc.pid)
         child = Child(spec, proc, log_start)
@@ -267,7 +306,7 @@ class Supervisor:
                 exited
                 or hung
                 or self._trainer_failed()
-                or bool(self._signals)
+                or self._interrupted()
                 or self._node_lost(stopped_only=True)
             )
 
@@ -324,12 +363,18 @@ class Supervisor:
         return any(item.role == ProcessRole.trainer and item.beat.phase != START for item in seen)
 
     def stop_all(self) -> None:
-        """SIGTERM every child's group and orphaned descendants, wait `grace_s`, then SIGKILL the rest."""
+        """SIGTERM every child's group and orphaned descendants (SIGINT to the trainer's: torchrun passes it
+        on, and it ends a rank at once), wait `grace_s`, then SIGKILL the rest."""
         if self._any_alive():
+            for child in self.children:
+                if child.spec.role == ProcessRole.trainer and child.proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(child.proc.pid, signal.SIGINT)
             self.tracker.signal_groups(signal.SIGTERM)
             deadline = time.monotonic() + self.grace_s
-            # A second Ctrl-C ends the polite wait.
-            while self._any_alive() and time.monotonic() < deadline and len(self._signals) < 2:
+            # A signal during the polite wait (a second Ctrl-C) ends it.
+            signals = len(self._signals)
+            while self._any_alive() and time.monotonic() < deadline and len(self._signals) == signals:
                 self.tracker.signal_orphans(signal.SIGTERM)  # descendants whose parent died meanwhile
                 time.sleep(0.05)
         if self._any_alive():
@@ -352,14 +397,15 @@ class Supervisor:
     def run(self) -> int:
         handlers = {}
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, *STOP_SIGNALS):
                 handlers[sig] = signal.signal(sig, self._on_signal)
         atexit.register(self._atexit)
         become_subreaper()
         status = "failed"
         try:
             code = self._run()
-            status = "hung" if self.hang else {0: "finished", INTERRUPTED: "interrupted"}.get(code, "failed")
+            statuses = {0: "finished", INTERRUPTED: "interrupted", STOPPED_EXIT: STOPPED}
+            status = "hung" if self.hang else statuses.get(code, "failed")
             return code
         except KeyboardInterrupt:
             status = "interrupted"
@@ -382,19 +428,87 @@ class Supervisor:
             if self.liveness is not None:  # after DONE: a peer that sees this node stopped finds the marker
                 self.liveness.stop(status, self._failure)
             self._poll_metrics()
-            style = {"finished": "bold green", "interrupted": "bold yellow"}.get(status, "bold red")
+            style = {"finished": "bold green", "interrupted": "bold yellow", STOPPED: "bold yellow"}
+            style = style.get(status, "bold red")
             if self.show_progress:
                 summary = self.progress.summary(self.run_dir, status)
                 self.console.print(Panel(summary, border_style=style, expand=False))
             else:
                 self.console.print(Text(f"{status} (run dir {self.run_dir})", style=style))
+            if self._stop_message:
+                self.console.print(Text(self._stop_message, style="bold yellow"), soft_wrap=True)
 
     def _interrupted(self) -> bool:
-        if self._signals:
-            name = signal.Signals(self._signals[0]).name
-            self._print(Text(f"{name} received: stopping every process", style="bold yellow"))
-            return True
-        return False
+        """Whether a signal stops every process now. In a training run the first SIGTERM or SIGUSR1 starts a
+        graceful stop instead (`_begin_stop`); then a second signal, or `stop_grace_s` gone by, stops all."""
+        if self._at_once or not self._signals:
+            return self._at_once
+        first = signal.Signals(self._signals[0]).name
+        if self._stopping is None and not self._begin_stop(self._signals[0]):
+            why = f"{first} received: stopping every process"
+        elif len(self._signals) > 1:
+            second = signal.Signals(self._signals[1]).name
+            why = f"{second} received during the graceful stop: stopping every process now"
+        elif time.monotonic() - self._stopping > self.stop_grace_s:
+            why = (
+                f"the trainer did not stop within run.stop_grace_s={self.stop_grace_s:g} s: stopping every "
+                "process now"
+            )
+        else:
+            return False
+        self._at_once = True
+        self._print(Text(why, style="bold yellow"), soft_wrap=True)
+        return True
+
+    def _begin_stop(self, signum: int) -> bool:
+        """A graceful stop when it can be one: ask the trainer (`<run_dir>/STOP`, read by trainer rank 0 at
+        each step boundary) and keep watching. Not before the trainer has left its start (nothing to save)."""
+        if signum not in STOP_SIGNALS or self.stop_grace_s <= 0:
+            return False
+        trainers_here = bool(self._trainer_specs())
+        if trainers_here and not self._trainer_past_its_engine_wait():
+            return False
+        name = signal.Signals(signum).name
+        try:
+            path = request_stop(self.run_dir, f"{name} to the supervisor (pid {os.getpid()})")
+        except OSError as error:
+            self._print(Text(f"{name} received; the stop request cannot be written ({error})", style="red"))
+            return False
+        self._stopping = time.monotonic()
+        if trainers_here:
+            text = (
+                f"{name} received: the trainer ends its step, writes a checkpoint and exits ({path}; at most "
+                f"run.stop_grace_s={self.stop_grace_s:g} s, a second signal stops every process at once)"
+            )
+        else:
+            text = (
+                f"{name} received: the trainer (node 0) stops at its next step boundary ({path}); this node "
+                "serves until then (a second signal stops it at once)"
+            )
+        self._print(Text(text, style="bold yellow"), soft_wrap=True)
+        return True
+
+    def _unless_stopping(self, failed: list[tuple[Child, int]]) -> list[tuple[Child, int]]:
+        """During a graceful stop only a trainer's exit counts: engines may go first (Slurm signals every
+        process of a job), while the trainer still writes its checkpoint."""
+        if self._stopping is None:
+            return failed
+        for child, code in failed:
+            if child.spec.role != ProcessRole.trainer and child.name not in self._gone_while_stopping:
+                self._gone_while_stopping.add(child.name)
+                self._print(Text(f"{child.name} {describe_exit(code)} while the run stops", style="dim"))
+        return [(child, code) for child, code in failed if child.spec.role == ProcessRole.trainer]
+
+    def _trainers_done(self) -> int:
+        """Every trainer exited 0: the run finished, or it stopped at a step boundary (STOPPED_EXIT)."""
+        record = self._stopped.read()
+        if record is None:
+            return 0
+        step, checkpoint = record.get("step"), record.get("checkpoint")
+        saved = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint yet: a resumed run starts over"
+        how = self.resume_hint or "the same command with resume=auto"
+        self._stop_message = f"stopped after step {step} ({saved}); continue with: {how}"
+        return STOPPED_EXIT
 
     def _trainer_specs(self) -> list[ProcessSpec]:
         return [s for s in self.specs if s.role == ProcessRole.trainer]
@@ -457,6 +571,7 @@ class Supervisor:
             self._poll_metrics()
             exited = [(c, c.proc.poll()) for c in self.children if c.proc.poll() is not None]
             failed = [(c, code) for c, code in exited if code != 0 or c.spec.role != ProcessRole.trainer]
+            failed = self._unless_stopping(failed)
             if failed:
                 for child, code in failed:
                     self._report_failure(child, describe_exit(code) + (" unexpectedly" if code == 0 else ""))
@@ -473,10 +588,12 @@ class Supervisor:
                     )
                 return self._exit_code(failed[0][1])
             if trainers and all(c.proc.returncode == 0 for c in trainers):
-                return 0
+                return self._trainers_done()
             if watch is not None and watch.appeared():
                 return self._on_done(watch)
             if self._node_lost():
+                if trainers and self._stopped.read() is not None:  # stopped at a step boundary: expected
+                    return self._trainers_done()
                 return self._on_node_lost(watch)
             time.sleep(self.poll_s)
 
@@ -511,6 +628,8 @@ class Supervisor:
         lost = self._lost_node or self.liveness.settle(wait_s=2.0)
         for line in [lost] if lost else self.liveness.watch.summary():
             self._print(Text(line, style="red" if lost else "dim"), soft_wrap=True)
+        if not lost:
+            self._name_unreachable()
 
     def _on_done(self, marker: DoneMarker) -> int:
         status = marker.status()
@@ -519,6 +638,12 @@ class Supervisor:
                 Text(f"the trainer finished ({marker.path}): stopping this node's engines", style="green")
             )
             return 0
+        if status == STOPPED:
+            self._print(
+                Text(f"the trainer stopped at a step boundary ({marker.path}): stopping this node's engines"),
+                soft_wrap=True,
+            )
+            return STOPPED_EXIT
         self._print(
             Text(
                 f"the run ended with status {status!r} ({marker.path}): see the trainer's log on node 0 "

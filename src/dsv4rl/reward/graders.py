@@ -14,19 +14,37 @@ Every grader returns `correct` or `incorrect` (defaults 1.0 / 0.0; DAPO trains w
 - "boxed": the same comparison on the content of the last balanced \\boxed{...}.
 - "math_verify": Hugging Face math-verify, `verify(parse(gold), parse(response))`, run in worker
   processes with a per-response timeout (`timeout_s`) that works from any thread; a response that
-  times out is graded incorrect and logged.
+  times out is graded incorrect and logged. It reads the response's last `tail_chars` (4,000, about
+  1,000 tokens; the answer is at the end): math-verify's parsing is superlinear in the length of the
+  expressions it finds (a 16 k-character sum takes seconds), partly in C calls no timer interrupts.
+
+The rule graders run in linear time and read at most `MAX_ANSWER_CHARS` of answer (normalize.py), so
+they grade a 100 k-character response in milliseconds and run in the calling process during training.
+math-verify (sympy) has no such bound and always runs in its pool. Eval and training's periodic eval
+run every grader, the answers maj@n votes on included, in a pool (`get_grader(..., pooled=True)`).
+
+`grade_responses` grades a batch: a call that times out is graded incorrect; a call that raises is
+graded incorrect, counted by exception type and logged, and when more than `max_error_fraction` of a
+batch raised it stops with a `GraderError` naming the exception (a math-verify API change must not
+train on zeros). The counts (`Graded.counts`) go into metrics.jsonl and eval reports.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from dsv4rl.config.schema import GraderName, RewardConfig, choice
-from dsv4rl.reward.normalize import last_answer_line, last_boxed, normalize_final_answer
-from dsv4rl.reward.verify_pool import VerifyPool, verify_answer
+from dsv4rl.reward.normalize import MAX_ANSWER_CHARS, last_answer_line, last_boxed, normalize_final_answer
+from dsv4rl.reward.verify_pool import TIMED_OUT, CallFailed, PoolRound, VerifyPool, call_failed, verify_answer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_ERROR_FRACTION = RewardConfig.max_error_fraction
 
 
 @runtime_checkable
@@ -38,6 +56,11 @@ class Grader(Protocol):
     def final_answer(self, response: str) -> str | None:
         """The normalised answer the response states, as this grader reads it (maj@n votes on it)."""
         ...
+
+
+def _normalized(answer: str | None) -> str | None:
+    """An extracted answer, normalised; None for none, or for one longer than MAX_ANSWER_CHARS."""
+    return normalize_final_answer(answer) if answer is not None and len(answer) <= MAX_ANSWER_CHARS else None
 
 
 _LEADING_INT = re.compile(r"-?\d+(?!\.\d)(?!\d)")
@@ -74,8 +97,7 @@ class DapoGrader:
         return self.correct if ok else self.incorrect
 
     def final_answer(self, response: str) -> str | None:
-        answer = self.extract(response)
-        return normalize_final_answer(answer) if answer is not None else None
+        return _normalized(self.extract(response))
 
 
 @dataclass
@@ -98,35 +120,85 @@ class BoxedGrader:
         return self.correct if ok else self.incorrect
 
     def final_answer(self, response: str) -> str | None:
-        answer = last_boxed(response)
-        return normalize_final_answer(answer) if answer is not None else None
+        return _normalized(last_boxed(response))
 
 
-class MathVerifyGrader:
-    """math-verify in `num_workers` worker processes (started on first use); `close()` stops them."""
+MATH_VERIFY_TAIL_CHARS = 4000
 
-    name = "math_verify"
 
-    def __init__(
-        self, correct: float = 1.0, incorrect: float = 0.0, timeout_s: float = 5.0, num_workers: int = 1
-    ):
-        self.correct, self.incorrect = correct, incorrect
-        self.timeout_s, self.num_workers = timeout_s, num_workers
-        self._pool = VerifyPool(num_workers=num_workers, timeout_s=timeout_s)
+@dataclass
+class MathVerifyRule:
+    """What a math_verify worker runs for one response (`MathVerifyGrader` is this rule in its pool)."""
+
+    correct: float = 1.0
+    incorrect: float = 0.0
+    tail_chars: int = MATH_VERIFY_TAIL_CHARS  # what math-verify reads of a response (0: all of it)
+    name: str = field(default="math_verify", init=False)
+
+    def tail(self, response: str) -> str:
+        return response[-self.tail_chars :] if self.tail_chars > 0 else response
 
     def grade(self, response: str, ground_truth: str) -> float:
-        return self.grade_many([response], [ground_truth])[0]
-
-    def grade_many(self, responses: Sequence[str], ground_truths: Sequence[str]) -> list[float]:
-        results = self._pool.map(verify_answer, list(zip(responses, ground_truths, strict=True)))
-        return [self.correct if r is True else self.incorrect for r in results]
+        return self.correct if verify_answer(self.tail(response), ground_truth) else self.incorrect
 
     def final_answer(self, response: str) -> str | None:
         """math-verify reads the last \\boxed{} (else the last "Answer:" line); votes use its normal form."""
-        answer = last_boxed(response)
-        if answer is None:
-            answer = last_answer_line(response)
-        return normalize_final_answer(answer) if answer is not None else None
+        text = self.tail(response)
+        answer = last_boxed(text)
+        return _normalized(answer if answer is not None else last_answer_line(text))
+
+
+def _grade_call(rule: Grader, response: str, truth: str, reward: bool, answer: bool) -> tuple:
+    """One response, in a pool worker: (reward or None, final answer or None)."""
+    return (
+        rule.grade(response, truth) if reward else None,
+        rule.final_answer(response) if answer else None,
+    )
+
+
+class PooledGrader:
+    """A grader whose calls run in `num_workers` worker processes (started on first use), each call under
+    `timeout_s`; `close()` stops them. Eval wraps every grader in one; math_verify is one always."""
+
+    def __init__(self, rule: Grader, timeout_s: float = 5.0, num_workers: int = 1):
+        self.rule, self.timeout_s, self.num_workers = rule, timeout_s, num_workers
+        self._pool = VerifyPool(
+            num_workers=num_workers,
+            timeout_s=timeout_s,
+            label=f"grader {rule.name}",
+            warm_math_verify=rule.name == GraderName.math_verify,
+        )
+
+    @property
+    def name(self) -> str:
+        return self.rule.name
+
+    @property
+    def correct(self) -> float:
+        return self.rule.correct
+
+    @property
+    def incorrect(self) -> float:
+        return self.rule.incorrect
+
+    def run(self, responses: Sequence[str], truths: Sequence[str], answers: bool) -> PoolRound:
+        """One pool round: (reward, final answer or None) per response, or TIMED_OUT / CallFailed."""
+        calls = [(self.rule, r, t, True, answers) for r, t in zip(responses, truths, strict=True)]
+        return self._pool.run(_grade_call, calls)
+
+    def grade(self, response: str, ground_truth: str) -> float:
+        return grade_responses(self, [response], [ground_truth]).rewards[0]
+
+    def grade_many(self, responses: Sequence[str], ground_truths: Sequence[str]) -> list[float]:
+        return grade_responses(self, responses, ground_truths).rewards
+
+    def final_answer(self, response: str) -> str | None:
+        (outcome,) = self._pool.map(_grade_call, [(self.rule, response, "", False, True)])
+        if isinstance(outcome, CallFailed):
+            raise GraderError(
+                f"grader {self.name}: final_answer raised {outcome.error_type}: {outcome.message}"
+            )
+        return None if outcome is TIMED_OUT else outcome[1]
 
     @property
     def restarts(self) -> int:
@@ -137,11 +209,137 @@ class MathVerifyGrader:
         self._pool.close()
 
     def __getstate__(self) -> dict:  # picklable: the copy starts its own workers
-        return {"correct": self.correct, "incorrect": self.incorrect, "timeout_s": self.timeout_s,
-                "num_workers": self.num_workers}  # fmt: skip
+        return {"rule": self.rule, "timeout_s": self.timeout_s, "num_workers": self.num_workers}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(**state)
+        PooledGrader.__init__(self, **state)
+
+
+class MathVerifyGrader(PooledGrader):
+    """math-verify in `num_workers` worker processes (started on first use); `close()` stops them."""
+
+    def __init__(
+        self,
+        correct: float = 1.0,
+        incorrect: float = 0.0,
+        timeout_s: float = 5.0,
+        num_workers: int = 1,
+        tail_chars: int = MATH_VERIFY_TAIL_CHARS,
+    ):
+        rule = MathVerifyRule(correct, incorrect, tail_chars)
+        super().__init__(rule, timeout_s=timeout_s, num_workers=num_workers)
+
+
+class GraderError(RuntimeError):
+    """More of a batch's grader calls raised than `reward.max_error_fraction` allows."""
+
+
+@dataclass
+class Graded:
+    """A graded batch: rewards (incorrect where a call timed out or raised), the final answers when
+    asked for (None where none), and what went wrong."""
+
+    rewards: list[float]
+    answers: list[str | None] | None = None
+    timeouts: int = 0
+    errors: int = 0
+    error_types: dict[str, int] = field(default_factory=dict)
+    restarts: int = 0
+
+    def counts(self) -> dict[str, int]:
+        """The numbers metrics.jsonl gets (summed over a step's grading rounds)."""
+        return {
+            "grader_timeouts": self.timeouts,
+            "grader_errors": self.errors,
+            "grader_restarts": self.restarts,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """What an eval report says about its grading."""
+        return {"timeouts": self.timeouts, "errors": self.errors, "error_types": dict(self.error_types),
+                "restarts": self.restarts}  # fmt: skip
+
+
+def _in_process(grader: Grader, response: str, truth: str, answers: bool) -> tuple[Any, BaseException | None]:
+    try:
+        return _grade_call(grader, response, truth, True, answers), None
+    except Exception as exc:
+        return call_failed(exc), exc
+
+
+def grade_responses(
+    grader: Grader,
+    responses: Sequence[str],
+    truths: Sequence[str],
+    *,
+    answers: bool = False,
+    max_error_fraction: float = DEFAULT_MAX_ERROR_FRACTION,
+) -> Graded:
+    """Grade a batch (a pooled grader: one pool round; else in this process) -> `Graded`.
+
+    Raises GraderError when more than `max_error_fraction` of the calls raised."""
+    if len(responses) != len(truths):
+        raise ValueError(f"grade_batch: {len(responses)} responses but {len(truths)} answers")
+    first_exception: BaseException | None = None
+    if isinstance(grader, PooledGrader):
+        pool_round = grader.run(responses, truths, answers)
+        outcomes, restarts = pool_round.results, pool_round.restarts
+    else:
+        outcomes, restarts = [], 0
+        for response, truth in zip(responses, truths, strict=True):
+            outcome, exc = _in_process(grader, response, truth, answers)
+            outcomes.append(outcome)
+            first_exception = first_exception or exc
+    incorrect = float(getattr(grader, "incorrect", 0.0))
+    graded = Graded(rewards=[], answers=[] if answers else None, restarts=restarts)
+    failures: list[CallFailed] = []
+    for outcome in outcomes:
+        if outcome is TIMED_OUT or isinstance(outcome, CallFailed):
+            reward, answer = incorrect, None
+            if outcome is TIMED_OUT:
+                graded.timeouts += 1
+            else:
+                failures.append(outcome)
+        else:
+            reward, answer = outcome
+        graded.rewards.append(float(reward))
+        if graded.answers is not None:
+            graded.answers.append(answer)
+    if failures:
+        graded.errors = len(failures)
+        graded.error_types = dict(Counter(f.error_type for f in failures))
+        _check_failures(grader.name, failures, len(outcomes), max_error_fraction, first_exception)
+    return graded
+
+
+def _check_failures(
+    name: str, failures: list[CallFailed], n: int, max_fraction: float, exc: BaseException | None
+) -> None:
+    by_type = Counter(f.error_type for f in failures)
+    first = failures[0]
+    logger.warning(
+        "grader %s: %d of %d calls raised (%s), graded incorrect; first: %s: %s",
+        name, len(failures), n, ", ".join(f"{k} x{v}" for k, v in by_type.items()), first.error_type,
+        first.message,
+    )  # fmt: skip
+    if len(failures) > max_fraction * n:
+        detail = f"\n{first.traceback}" if first.traceback and exc is None else ""
+        raise GraderError(
+            f"grader {name}: {len(failures)} of {n} calls raised ({len(failures) / n:.0%}, more than "
+            f"reward.max_error_fraction={max_fraction}): {first.error_type}: {first.message}. Their rewards "
+            f"would be wrong, so the run stops (a grader or math-verify version problem?){detail}"
+        ) from exc
+
+
+def grade_batch(
+    grader: Grader,
+    responses: Sequence[str],
+    answers: Sequence[str],
+    *,
+    max_error_fraction: float = DEFAULT_MAX_ERROR_FRACTION,
+) -> list[float]:
+    """Rewards for many responses (`grade_responses`, rewards only)."""
+    return grade_responses(grader, responses, answers, max_error_fraction=max_error_fraction).rewards
 
 
 GRADERS: dict[GraderName, type] = {
@@ -156,26 +354,33 @@ _OPTIONS = {
     GraderName.dapo: ("correct", "incorrect", "tail_chars"),
     GraderName.answer_line: ("correct", "incorrect"),
     GraderName.boxed: ("correct", "incorrect"),
-    GraderName.math_verify: ("correct", "incorrect", "timeout_s", "num_workers"),
+    GraderName.math_verify: ("correct", "incorrect", "timeout_s", "num_workers", "tail_chars"),
 }
 
 
-def get_grader(name: GraderName | str, *, reward: RewardConfig | None = None, **kwargs) -> Grader:
+def get_grader(
+    name: GraderName | str, *, reward: RewardConfig | None = None, pooled: bool = False, **kwargs
+) -> Grader:
     """A grader by name; unknown names or options raise ValueError listing what is accepted.
 
-    `reward` (a recipe's reward section) supplies correct/incorrect (and timeout_s for math_verify);
-    explicit keyword arguments override it.
+    `reward` (a recipe's reward section) supplies correct/incorrect, and timeout_s and num_workers for a
+    pool; explicit keyword arguments override it. `pooled=True` runs any grader in a worker pool with
+    per-call timeouts (eval does); math_verify always runs in one.
     """
     name = choice(GraderName, name, "grader")
     unknown = sorted(set(kwargs) - set(_OPTIONS[name]))
     if unknown:
         raise ValueError(f"grader {name!r} does not take {unknown}; it accepts {list(_OPTIONS[name])}")
+    reward = reward if reward is not None else (RewardConfig() if pooled else None)
     if reward is not None:
         defaults = {"correct": reward.correct, "incorrect": reward.incorrect}
         if name == GraderName.math_verify:
-            defaults["timeout_s"] = reward.timeout_s
+            defaults |= {"timeout_s": reward.timeout_s, "num_workers": reward.num_workers}
         kwargs = {**defaults, **kwargs}
-    return GRADERS[name](**kwargs)
+    grader = GRADERS[name](**kwargs)
+    if pooled and not isinstance(grader, PooledGrader):
+        grader = PooledGrader(grader, timeout_s=reward.timeout_s, num_workers=reward.num_workers)
+    return grader
 
 
 def grader_from_config(cfg: RewardConfig, **overrides) -> Grader:
@@ -183,25 +388,22 @@ def grader_from_config(cfg: RewardConfig, **overrides) -> Grader:
     return get_grader(cfg.grader, reward=cfg, **overrides)
 
 
-def grade_batch(grader: Grader, responses: Sequence[str], answers: Sequence[str]) -> list[float]:
-    """Rewards for many responses; uses the grader's batched path (one pool round) when it has one."""
-    if len(responses) != len(answers):
-        raise ValueError(f"grade_batch: {len(responses)} responses but {len(answers)} answers")
-    grade_many = getattr(grader, "grade_many", None)
-    if grade_many is not None:
-        return list(grade_many(responses, answers))
-    return [float(grader.grade(r, a)) for r, a in zip(responses, answers, strict=True)]
-
-
 __all__ = [
+    "DEFAULT_MAX_ERROR_FRACTION",
     "GRADERS",
     "AnswerLineGrader",
     "ArithGrader",
     "BoxedGrader",
     "DapoGrader",
+    "Graded",
     "Grader",
+    "GraderError",
+    "MATH_VERIFY_TAIL_CHARS",
     "MathVerifyGrader",
+    "MathVerifyRule",
+    "PooledGrader",
     "get_grader",
     "grade_batch",
+    "grade_responses",
     "grader_from_config",
 ]

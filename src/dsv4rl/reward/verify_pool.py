@@ -1,17 +1,24 @@
-"""Run math-verify in worker processes with per-call timeouts that work from any thread.
+"""Run grader calls (math-verify, and every grader in eval) in worker processes with per-call timeouts
+that work from any thread.
 
 math-verify's own timeout uses SIGALRM, which only works on the main thread of the main process, so
 it is disabled here (`parsing_timeout=None`, `timeout_seconds=None`) and replaced by two layers:
 
-1. Calls go to a `ProcessPoolExecutor` (spawn) in chunks; a worker runs each call of a chunk under
-   its own SIGALRM timer (a pool worker executes tasks on its main thread), so a slow call costs
-   `timeout_s` and is reported as timed out while the rest of the chunk goes on.
+1. Calls go to a `ProcessPoolExecutor` in chunks; a worker runs each call of a chunk under its own
+   SIGALRM timer (a pool worker executes tasks on its main thread), so a slow call costs `timeout_s`
+   and is reported as timed out while the rest of the chunk goes on.
 2. The caller also holds a wall-clock deadline per chunk (timeout_s per call + a grace). A call stuck
    where no signal gets through (a long C loop) misses it: the workers are killed, a fresh pool is
    started, and that chunk's calls are run again one at a time so only the stuck call is lost.
 
 At most `num_workers` chunks are in flight, so a deadline starts when a worker is free to run it.
-Like every spawn-based pool, the main script must be importable (`if __name__ == "__main__":` guard).
+A call that raises is returned as a `CallFailed` naming the exception's type (never silently "wrong":
+the caller counts them and stops a run when too many fail, `graders.grade_responses`).
+
+Workers are forked from a fork server (multiprocessing's "forkserver") that has imported the graders
+once: a worker starts in milliseconds and never re-imports the caller's main module (a trainer's
+`python -m dsv4rl.train.worker` would cost each worker a torch import), so restarting the pool after a
+kill is cheap. Functions sent to the pool must be importable by module name.
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -40,7 +49,24 @@ class _Sentinel:
 
 
 TIMED_OUT = _Sentinel("TIMED_OUT")  # result of a call that ran out of time
-FAILED = _Sentinel("FAILED")  # result of a call that raised, or whose worker died twice
+
+
+@dataclass(frozen=True)
+class CallFailed:
+    """Result of a call that raised (or whose worker died twice): the exception's type and message."""
+
+    error_type: str  # "TypeError", "sympy.core.sympify.SympifyError", ...
+    message: str
+    traceback: str = ""  # the worker's traceback, for the log and the error that stops a run
+
+
+def _type_name(exc: BaseException) -> str:
+    kind = type(exc)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def call_failed(exc: BaseException) -> CallFailed:
+    return CallFailed(_type_name(exc), str(exc), "".join(traceback.format_exception(exc)))
 
 
 class _CallTimeout(BaseException):
@@ -51,10 +77,18 @@ def _on_alarm(signum, frame):
     raise _CallTimeout
 
 
-def _worker_init() -> None:
+def _worker_init(warm_math_verify: bool) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" notices
-    import math_verify  # noqa: F401  (pay the sympy import once, before any deadline runs)
+    if warm_math_verify:
+        import math_verify  # noqa: F401  (pay the sympy import once, before any deadline runs)
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """The fork server's context; its preload imports the graders once (no effect once it runs)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["dsv4rl.reward.graders"])
+    return context
 
 
 def _ping() -> int:
@@ -63,7 +97,7 @@ def _ping() -> int:
 
 
 def _run_chunk(fn: Callable[..., Any], calls: list[tuple], timeout_s: float) -> list[tuple[str, Any]]:
-    """In the worker: ("ok", value) | ("timeout", None) | ("error", message) per call."""
+    """In the worker: ("ok", value) | ("timeout", None) | ("error", CallFailed) per call."""
     out: list[tuple[str, Any]] = []
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     try:
@@ -78,7 +112,7 @@ def _run_chunk(fn: Callable[..., Any], calls: list[tuple], timeout_s: float) -> 
             except _CallTimeout:
                 out.append(("timeout", None))
             except Exception as e:
-                out.append(("error", repr(e)))
+                out.append(("error", call_failed(e)))
     finally:
         signal.signal(signal.SIGALRM, previous)
     return out
@@ -90,21 +124,35 @@ def _gold_text(ground_truth: str) -> str:
 
 
 def verify_answer(response: str, ground_truth: str) -> bool:
-    """math-verify: `verify(parse(gold), parse(response))`, gold first; math-verify's timeouts off."""
+    """math-verify: `verify(parse(gold), parse(response))`, gold first; math-verify's timeouts off.
+
+    Nothing is caught here: math-verify already turns an input it cannot parse or compare into "no
+    match" (`raise_on_error=False`), so what escapes is a real failure (an API change, a missing
+    dependency) that the pool reports as `CallFailed` rather than as a wrong answer.
+    """
     from math_verify import parse, verify
 
-    try:
-        gold = parse(_gold_text(ground_truth), parsing_timeout=None)
-        pred = parse(response, parsing_timeout=None)
-        if not gold or not pred:
-            return False
-        return bool(verify(gold, pred, timeout_seconds=None))
-    except Exception:  # math-verify raises on some inputs even with raise_on_error=False
+    gold = parse(_gold_text(ground_truth), parsing_timeout=None)
+    pred = parse(response, parsing_timeout=None)
+    if not gold or not pred:
         return False
+    return bool(verify(gold, pred, timeout_seconds=None))
+
+
+@dataclass
+class PoolRound:
+    """One `VerifyPool.run`: a result per call (a value, TIMED_OUT or CallFailed) and the pool restarts."""
+
+    results: list[Any]
+    restarts: int = 0
 
 
 class VerifyPool:
-    """A process pool whose calls have timeouts; usable from any thread (calls are serialised)."""
+    """A process pool whose calls have timeouts; usable from any thread (calls are serialised).
+
+    `label` names the calls in log lines; `warm_math_verify` imports math-verify in each worker as it
+    starts (so no deadline pays for sympy's import).
+    """
 
     def __init__(
         self,
@@ -113,6 +161,8 @@ class VerifyPool:
         chunk_size: int = 16,
         grace_s: float = 2.0,
         startup_timeout_s: float = 120.0,
+        label: str = "math-verify",
+        warm_math_verify: bool = True,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -123,15 +173,21 @@ class VerifyPool:
         self.chunk_size = max(1, chunk_size)
         self.grace_s = grace_s
         self.startup_timeout_s = startup_timeout_s
+        self.label = label
+        self.warm_math_verify = warm_math_verify
         self.restarts = 0  # pools killed (a call stuck past its deadline, or a worker died)
         self.timeouts = 0  # calls that ran out of time
+        self.failures = 0  # calls that raised, or whose worker died twice
         self._executor: cf.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def _ensure(self) -> cf.ProcessPoolExecutor:
         if self._executor is None:
             executor = cf.ProcessPoolExecutor(
-                self.num_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init
+                self.num_workers,
+                mp_context=_context(),
+                initializer=_worker_init,
+                initargs=(self.warm_math_verify,),
             )
             # Start and initialise every worker now, so no deadline pays for process start-up.
             seen: set[int] = set()
@@ -143,7 +199,7 @@ class VerifyPool:
                         seen.add(f.result(timeout=max(0.0, deadline - time.monotonic())))
             except Exception as e:
                 self._kill(executor)
-                raise RuntimeError(f"math-verify worker processes did not start: {e!r}") from e
+                raise RuntimeError(f"{self.label} worker processes did not start: {e!r}") from e
             self._executor = executor
         return self._executor
 
@@ -166,19 +222,33 @@ class VerifyPool:
     def _timed_out(self, call: tuple, how: str) -> Any:
         self.timeouts += 1
         logger.warning(
-            "math-verify call took over %.1f s (%s; %.200r): graded incorrect", self.timeout_s, how, call
+            "%s call took over %.1f s (%s; %.200r): graded incorrect", self.label, self.timeout_s, how, call
         )
         return TIMED_OUT
 
+    def _failed(self, call: tuple, failure: CallFailed) -> CallFailed:
+        """Counted; logged per call only at DEBUG (graders.grade_responses logs a batch's failures once)."""
+        self.failures += 1
+        logger.debug(
+            "%s call raised %s: %s (%.200r)",
+            self.label, failure.error_type, failure.message, call,
+        )  # fmt: skip
+        return failure
+
     def map(self, fn: Callable[..., Any], calls: Sequence[tuple]) -> list[Any]:
-        """fn(*args) for each args tuple (fn must be picklable), in order; TIMED_OUT / FAILED where a
-        call did not return a value."""
+        """fn(*args) for each args tuple (fn must be picklable), in order; TIMED_OUT / CallFailed where
+        a call did not return a value."""
+        return self.run(fn, calls).results
+
+    def run(self, fn: Callable[..., Any], calls: Sequence[tuple]) -> PoolRound:
+        """`map`, with the number of times the pool was restarted while running these calls."""
         n = len(calls)
         results: list[Any] = [None] * n
         size = max(1, min(self.chunk_size, -(-n // self.num_workers)))
         pending = collections.deque(list(range(s, min(s + size, n))) for s in range(0, n, size))
         deaths = [0] * n
         with self._lock:
+            restarts_before = self.restarts
             inflight: dict[cf.Future, tuple[list[int], float]] = {}
             while pending or inflight:
                 executor = self._ensure()
@@ -195,7 +265,11 @@ class VerifyPool:
                         outcomes = f.result()
                     except BrokenProcessPool:
                         broken = True
-                        self._retry_after_death(idx, deaths, pending, results)
+                        self._retry_after_death(idx, deaths, pending, results, calls)
+                        continue
+                    except Exception as e:  # the chunk's results could not come back (unpicklable)
+                        for i in idx:
+                            results[i] = self._failed(calls[i], call_failed(e))
                         continue
                     for i, (status, value) in zip(idx, outcomes, strict=True):
                         if status == "ok":
@@ -203,10 +277,7 @@ class VerifyPool:
                         elif status == "timeout":
                             results[i] = self._timed_out(calls[i], "worker alarm")
                         else:
-                            logger.warning(
-                                "math-verify call raised %s (%.200r): graded incorrect", value, calls[i]
-                            )
-                            results[i] = FAILED
+                            results[i] = self._failed(calls[i], value)
                 now = time.monotonic()
                 expired = [f for f, (_, d) in inflight.items() if d <= now and not f.done()]
                 if not expired and not broken:
@@ -222,11 +293,10 @@ class VerifyPool:
                     pending.appendleft(idx)
                 inflight.clear()
                 self._restart()
-        return results
+            return PoolRound(results, self.restarts - restarts_before)
 
-    @staticmethod
     def _retry_after_death(
-        idx: list[int], deaths: list[int], pending: collections.deque, results: list
+        self, idx: list[int], deaths: list[int], pending: collections.deque, results: list, calls: Sequence
     ) -> None:
         for i in idx:
             deaths[i] += 1
@@ -235,8 +305,8 @@ class VerifyPool:
         elif deaths[idx[0]] < 2:
             pending.appendleft(idx)
         else:
-            results[idx[0]] = FAILED
-            logger.warning("math-verify worker died twice on one call: graded incorrect")
+            died = CallFailed("WorkerDied", "the worker process died twice running this call")
+            results[idx[0]] = self._failed(calls[idx[0]], died)
 
     def close(self) -> None:
         with self._lock:

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 
+from dsv4rl.faults.nonfinite import NonFiniteError
 from dsv4rl.wire.engine_api import EngineAPI
 
-__all__ = ["WeightSyncError", "engine_name", "post_error", "post_states"]
+__all__ = ["NonFiniteWeight", "WeightSyncError", "engine_name", "post_error", "post_states"]
 
 
 class WeightSyncError(RuntimeError):
     """A weight sync step failed; the message names the engine and step and says how to recover."""
+
+
+class NonFiniteWeight(WeightSyncError, NonFiniteError):
+    """A tensor with a NaN or Inf was about to be sent: refused before its bucket left (a sync error, so
+    that a stage's sender drains and reports it like any other, and a `NonFiniteError` naming it)."""
 
 
 def engine_name(client: EngineAPI) -> str:

@@ -51,7 +51,7 @@ from dsv4rl.config.schema import CommBackend, PauseMode, SyncConfig, SyncLoadFor
 from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.sync.errors import WeightSyncError, engine_name
 from dsv4rl.sync.loop_thread import LoopThread
-from dsv4rl.sync.pipeline import wire_buckets
+from dsv4rl.sync.pipeline import FiniteGuard, wire_buckets
 from dsv4rl.sync.transports.base import Transport
 from dsv4rl.sync.transports.broadcast import BroadcastTransport
 from dsv4rl.sync.transports.tensor import TensorTransport
@@ -382,14 +382,17 @@ class WeightSync:
         record_checksums: bool,
         opening: list[tuple[Any, cf.Future]] | None,
     ) -> None:
-        """Pull buckets from the pipeline and send each; the weight version rides on the last one."""
-        buckets = wire_buckets(named_weights, self.wire_format, self.cfg.bucket_bytes)
+        """Pull buckets from the pipeline and send each; the weight version rides on the last one. A
+        non-finite tensor stops the push before the bucket carrying it is sent (`FiniteGuard`)."""
+        guard = FiniteGuard()
+        buckets = wire_buckets(guard.watch(named_weights), self.wire_format, self.cfg.bucket_bytes)
         mark = time.monotonic()
         current = next(buckets, None)
         if current is None:
             raise WeightSyncError("push() got no tensors")
         while current is not None:
             following = next(buckets, None)
+            guard.check(version)  # every tensor of `current` was watched (and of `following`)
             if self.load_format == FLATTENED_BUCKET:
                 current = sort_for_flattening(current)
             if record_checksums:

@@ -24,8 +24,11 @@ class TrainerBackend(Protocol):
     `data_parallel_size` (FSDP: every rank is a replica; Megatron: the TP/PP ranks of one replica
     share it). `hf_config` is the transformers config of the model being trained.
     `weight_source_ranks` are the global ranks that send the weights, one per pipeline stage; with
-    `by_stage` each of them yields its own stage from `named_weights_for_sync`, else rank 0 yields all."""
+    `by_stage` each of them yields its own stage from `named_weights_for_sync`, else rank 0 yields all.
+    `local_weights` / `local_gradients` are this rank's own tensors (shards), no communication: what the
+    non-finite guard (`dsv4rl.train.nonfinite`) checks before a sync or a checkpoint."""
 
+    device: torch.device
     data_parallel_rank: int
     data_parallel_size: int
     hf_config: Any
@@ -36,6 +39,10 @@ class TrainerBackend(Protocol):
     def compute_logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor: ...
 
     def named_weights_for_sync(self, by_stage: bool = False) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def local_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def local_gradients(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
     def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> Path: ...
 

@@ -30,8 +30,9 @@ from dsv4rl.config.schema import Config, MemoryTag
 from dsv4rl.data.stream import PromptStream
 from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.faults import heartbeat
+from dsv4rl.faults.stop import StopSignals, write_stopped
 from dsv4rl.metrics import MetricsWriter, StepTimer
-from dsv4rl.reward.graders import Grader, grade_batch
+from dsv4rl.reward.graders import Grader, grade_responses
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.colocated import KV_AND_GRAPHS, ColocatedEngines
 from dsv4rl.rollout.generate import generate_samples, rollout_seed
@@ -41,7 +42,9 @@ from dsv4rl.sync.verify import SyncVerifier
 from dsv4rl.sync.weight_sync import SyncStats
 from dsv4rl.train.backend import TrainerBackend
 from dsv4rl.train.batch import TrainBatch
-from dsv4rl.train.checkpoint import checkpoint_dir, latest_checkpoint
+from dsv4rl.train.checkpoint import checkpoint_dir, latest_checkpoint, load_newest
+from dsv4rl.train.nonfinite import require_finite_weights
+from dsv4rl.train.preempt import BoundaryStop
 from dsv4rl.train.rollout_ahead import RolloutAhead, overlap_seconds, staleness
 
 log = logging.getLogger(__name__)
@@ -90,7 +93,8 @@ def sync_metrics(stats: SyncStats | None) -> dict[str, float | str]:
 
 class RLLoop:
     """`driver` on rank 0 only; `weight_sync` on every rank (connected); `probe` ([N, L] token ids, the
-    same on every rank) enables the log-prob probe after syncs."""
+    same on every rank) enables the log-prob probe after syncs; `stop_signals`: this rank's SIGTERM/SIGUSR1
+    (a graceful stop at the next step boundary also comes from `<run_dir>/STOP`)."""
 
     def __init__(
         self,
@@ -100,6 +104,7 @@ class RLLoop:
         driver: Driver | None,
         weight_sync: StagedWeightSync,
         probe: torch.Tensor | None = None,
+        stop_signals: StopSignals | None = None,
     ) -> None:
         self.cfg = cfg
         self.backend = backend
@@ -112,6 +117,9 @@ class RLLoop:
         self.checkpoint_root = run_dir / "checkpoints"
         self.writer: MetricsWriter | None = None
         self.syncs = 0  # weight syncs done by this process (the first one is always verified)
+        self.stop = BoundaryStop(run_dir, self.rank, getattr(backend, "device", None), stop_signals)
+        self.saved_step: int | None = None  # the step of the last checkpoint this process wrote
+        self.stopped_at: int | None = None  # the step boundary a graceful stop left the loop at
         # algo.async_rollout: rank 0 generates the next step's batch while this one trains
         self.ahead = (
             RolloutAhead(lambda step: self.collect_batch(step, StepTimer(), background=True))
@@ -126,13 +134,14 @@ class RLLoop:
             return 0
         checkpoint = latest_checkpoint(self.checkpoint_root)
         if checkpoint is None:
-            if self.rank == 0:
-                log.warning(
-                    "resume=true but %s has no checkpoint: starting from step 0", self.checkpoint_root
-                )
+            if self.rank == 0:  # resume=auto: a fresh run, as asked
+                level = logging.INFO if self.cfg.resume == "auto" else logging.WARNING
+                log.log(level, "resume=%s but %s has no checkpoint: starting from step 0", self.cfg.resume,
+                        self.checkpoint_root)  # fmt: skip
             return 0
         heartbeat.enter("resume")
-        extra = self.backend.load_checkpoint(str(checkpoint))  # also restores each rank's RNG states
+        # the newest that loads (each rank's RNG states too); an unreadable one is named, the next tried
+        checkpoint, extra = load_newest(self.checkpoint_root, self.backend.load_checkpoint)
         if self.driver is not None:
             self.driver.stream.load_state_dict(extra["data"])
         if self.ahead is not None and extra.get("pending_rollout") is not None:
@@ -152,6 +161,8 @@ class RLLoop:
         finished = False
         try:
             for step in range(start + 1, self.cfg.train.steps + 1):
+                if self.stop_before(step, start):
+                    break
                 self.step(step)
                 every = self.cfg.train.checkpoint_every
                 if every and (step % every == 0 or step == self.cfg.train.steps):
@@ -161,6 +172,25 @@ class RLLoop:
             if self.ahead is not None:
                 self.ahead.close(wait=finished)
         heartbeat.enter("shutdown", self.cfg.train.steps)
+
+    def stop_before(self, step: int, start: int) -> bool:
+        """At the boundary before `step`, collectively: when a stop was asked for, checkpoint the step just
+        done (unless saved already, or none was done since `start`), record the stop, leave the loop."""
+        reason = self.stop.requested()
+        if reason is None:
+            return False
+        done, began = step - 1, time.monotonic()
+        if done > start and self.saved_step != done:
+            self.save_checkpoint(done)
+        checkpoint = str(checkpoint_dir(self.checkpoint_root, done)) if done > 0 else None
+        if self.rank == 0:
+            write_stopped(self.run_dir, done, checkpoint, reason)
+            log.warning("stopping after step %d (%s); checkpoint %s, written in %.1f s", done, reason,
+                        checkpoint, time.monotonic() - began)  # fmt: skip
+        if self.world_size > 1:
+            dist.barrier()  # no rank exits before the record: each node's supervisor reads it
+        self.stopped_at = done
+        return True
 
     @staticmethod
     @contextmanager
@@ -237,6 +267,7 @@ class RLLoop:
         all_rewards: list[float] = []
         all_lengths: list[int] = []
         truncated = 0
+        grading = dict.fromkeys(("grader_timeouts", "grader_errors", "grader_restarts"), 0)
         attempt = 0
         wanted = len(problems) * algo.group_size
         while True:
@@ -254,9 +285,14 @@ class RLLoop:
                     )
                 )
             with phase("reward"):
-                raw = grade_batch(
-                    driver.grader, [s.response_text for s in samples], [s.answer for s in samples]
+                graded = grade_responses(  # too many grader exceptions stop the run (GraderError)
+                    driver.grader,
+                    [s.response_text for s in samples],
+                    [s.answer for s in samples],
+                    max_error_fraction=self.cfg.reward.max_error_fraction,
                 )
+                raw = graded.rewards
+                grading = {key: grading[key] + count for key, count in graded.counts().items()}
                 rewards = shape_rewards(self.cfg, samples, raw)
             all_rewards += rewards.tolist()
             all_lengths += [len(s.response_ids) for s in samples]
@@ -289,6 +325,7 @@ class RLLoop:
             "truncated_fraction": truncated / len(all_lengths),
             "samples": len(all_rewards),
             "samples_trained": len(kept),
+            **grading,  # grader calls that timed out or raised (graded incorrect), pool restarts
             # the weights this batch trains are version step - 1: how far behind they were generated
             **staleness([s.weight_version for s in kept], step - 1),
         }
@@ -330,6 +367,8 @@ class RLLoop:
         source rank) broadcasts them to the engines. Returns the stats (rank 0) and whether the checks of
         `sync.verify` are due after this sync (the first one always is)."""
         verify = self.cfg.sync.verify
+        # collective, before anything moves: non-finite weights never reach the engines (NonFiniteError)
+        require_finite_weights(self.backend, version, "sync", "nothing was pushed to the engines")
         due = self.syncs == 0 or version % max(verify.every_steps, 1) == 0
         self.syncs += 1
         colocated = self.driver.colocated if self.driver is not None else None
@@ -362,3 +401,4 @@ class RLLoop:
         if self.ahead is not None:  # the next step's batch, generated before this checkpoint
             extra["pending_rollout"] = self.ahead.pending
         self.backend.save_checkpoint(str(checkpoint_dir(self.checkpoint_root, step)), extra)
+        self.saved_step = step

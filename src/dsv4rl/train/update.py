@@ -7,6 +7,11 @@ finally reduce the step's sums into metrics. A backend (`fsdp`, `megatron`) supp
 differ: how a mini-batch is cut into micro-batches, how those are run forward (and backward), the
 optimizer step, and which of its ranks hold the copy of each sum that counts.
 
+Before each optimizer step the loop checks the loss and the gradient norm on every rank
+(`dsv4rl.train.nonfinite`): a NaN or Inf skips the step (`skip_step`: weights, optimizer state and the
+schedule's position untouched; `nonfinite_steps` in the metrics), and more than
+`train.max_nonfinite_steps` skips in a row stop the run naming the first non-finite tensor.
+
 Sums are float64 vectors indexed as in `dsv4rl.algo.loss` (LOSS, ENTROPY, ...): the loss terms come from
 each micro-batch's forward on the ranks that compute the loss; the batch-derived terms (train-vs-rollout
 difference, TIS/MIS counts) from the old-policy pass, or from each training forward when it serves as the
@@ -15,7 +20,9 @@ old policy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,8 +46,12 @@ from dsv4rl.algo.loss import (
     step_metrics,
 )
 from dsv4rl.config.schema import Config
+from dsv4rl.faults.nonfinite import InjectTarget, NonFiniteError, injected
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.lr_schedule import LearningRateSchedule
+from dsv4rl.train.nonfinite import update_culprit
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,7 +71,8 @@ MicroLoss = Callable[[Tensor, MicroBatch], tuple[Tensor, Tensor]]
 class UpdateBackend(Protocol):
     """What the update loop needs from a trainer backend. Every method is collective over its ranks.
 
-    `step` counts train steps and `updates` optimizer steps (the schedule's position; both in checkpoints).
+    `step` counts train steps and `updates` optimizer steps taken (the schedule's position; both in
+    checkpoints); `nonfinite_in_a_row` the optimizer steps skipped since the last one taken.
     `gradient_average`: the ranks its data-parallel gradient reduction averages over (undone by the loss
     scale; 1 where it sums). `counts_loss_sums` / `counts_batch_sums`: whether this rank's copy of the loss
     terms / of the batch-derived terms enters the step's totals (one copy per data-parallel replica).
@@ -71,6 +83,7 @@ class UpdateBackend(Protocol):
     device: torch.device
     step: int
     updates: int
+    nonfinite_in_a_row: int
     reuse_policy_forward: bool
     has_reference: bool
     gradient_average: int
@@ -89,7 +102,21 @@ class UpdateBackend(Protocol):
 
     def forward_backward(self, micro: Sequence[MicroBatch], loss: MicroLoss) -> Tensor: ...
 
-    def optimizer_step(self, lr: float) -> float: ...
+    def grad_norm(self) -> float:
+        """The global gradient norm before clipping (NaN or Inf when a gradient is)."""
+        ...
+
+    def optimizer_step(self, lr: float) -> None:
+        """Clip to `optim.grad_clip` by the norm `grad_norm` just returned, and step at `lr`."""
+        ...
+
+    def skip_step(self) -> None:
+        """Drop the gradients; the weights and the optimizer state stay as they are."""
+        ...
+
+    def local_weights(self) -> Iterator[tuple[str, Tensor]]: ...
+
+    def local_gradients(self) -> Iterator[tuple[str, Tensor]]: ...
 
 
 def train_step(
@@ -104,6 +131,11 @@ def train_step(
     algo = cfg.algo
     temp = algo.sampling.temperature if temperature is None else temperature
     updates = algo.updates_per_step
+    step = backend.step + 1  # the loop's numbering: a resumed backend holds the steps it completed
+    if injected(InjectTarget.advantages, step):  # a test hook (dsv4rl.faults.nonfinite)
+        advantages = batch.advantages.clone()
+        advantages[:1] = float("nan")  # NaN * mask is NaN: one is enough for the loss and gradients
+        batch = dataclasses.replace(batch, advantages=advantages)
     batch = batch.to(backend.device)
     _check_shares(backend, batch, updates)
     ref = batch.ref_logprobs
@@ -121,23 +153,70 @@ def train_step(
     schedule = LearningRateSchedule.from_config(cfg)
     loss_sums = torch.zeros(NUM_STEP_SUMS, dtype=torch.float64, device=backend.device)
     grad_norms, lrs = [], []
+    skipped = 0
     row = 0
-    for mini in batch.split(updates):
+    for index, mini in enumerate(batch.split(updates)):
         share = normaliser_share(mini.loss_mask, algo.loss_aggregation, algo.sampling.max_new_tokens)
         share = share.to(torch.float64)
         backend.data_parallel_all_reduce(share)
         denom = max(float(share), 1.0)  # no response token anywhere: loss 0, as `aggregate` gives
         loss = micro_batch_objective(cfg, policy, ref, temp, denom, backend.gradient_average)
-        loss_sums += backend.forward_backward(backend.micro_batches(mini, row), loss)
+        sums = backend.forward_backward(backend.micro_batches(mini, row), loss)
+        loss_sums += sums
         row += mini.size
         lr = cfg.optim.lr * schedule(backend.updates)
-        grad_norms.append(backend.optimizer_step(lr))
+        grad_norms.append(backend.grad_norm())
         lrs.append(lr)
-        backend.updates += 1
+        culprit = update_culprit(backend, sums[LOSS], grad_norms[-1])
+        if culprit is None:
+            backend.optimizer_step(lr)
+            backend.updates += 1
+            backend.nonfinite_in_a_row = 0
+            continue
+        backend.skip_step()
+        skipped += 1
+        backend.nonfinite_in_a_row += 1
+        _skipped(cfg, step, f"{index + 1} of {updates}", culprit, backend.nonfinite_in_a_row)
+    if injected(InjectTarget.weights, step):
+        _poison_first_weight(backend)
     backend.step += 1
     totals = loss_sums * float(backend.counts_loss_sums) + policy.sums * float(backend.counts_batch_sums)
     dist.all_reduce(totals)
-    return step_metrics(totals, updates, grad_norms, lrs, ref is not None)
+    return {**step_metrics(totals, updates, grad_norms, lrs, ref is not None), "nonfinite_steps": skipped}
+
+
+def _skipped(cfg: Config, step: int, update: str, culprit: str, in_a_row: int) -> None:
+    """Log a skipped optimizer step, or stop the run when too many came in a row."""
+    limit = cfg.train.max_nonfinite_steps
+    if in_a_row > limit:
+        raise NonFiniteError(
+            step,
+            "train",
+            culprit,
+            f"{in_a_row} non-finite optimizer step{'s' if in_a_row > 1 else ''} in a row (the last: update "
+            f"{update} of this step), more than train.max_nonfinite_steps={limit}. A skipped step changes "
+            "nothing: the weights and the optimizer state are those of the last finite step, and no "
+            "checkpoint holds non-finite weights. Look at this step's batch (rewards, advantages, "
+            "log-probs); a lower optim.lr or an optim.grad_clip may help; resume=true continues from the "
+            "newest checkpoint",
+        )
+    if dist.get_rank() == 0:
+        log.warning(
+            "step %d, update %s: the first non-finite tensor is %s; optimizer step skipped "
+            "(%d in a row, train.max_nonfinite_steps=%d)",
+            *(step, update, culprit, in_a_row, limit),
+        )
+
+
+def _poison_first_weight(backend: UpdateBackend) -> None:
+    """The `weights` test hook: a NaN in the first floating weight this rank holds (rank 0 only)."""
+    if dist.get_rank() != 0:
+        return
+    with torch.no_grad():
+        for _, tensor in backend.local_weights():
+            if tensor.is_floating_point() and tensor.numel():
+                tensor[(0,) * tensor.dim()] = float("nan")
+                return
 
 
 def micro_batch_objective(

@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import random
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from dsv4rl.config.schema import Config, RolloutEngineKind, Task
 from dsv4rl.data.stream import build_prompt_stream
 from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.faults.child import child_process
+from dsv4rl.faults.stop import StopSignals
 from dsv4rl.model.model_dir import source_model_dir
 from dsv4rl.model.tiny import load_tokenizer
 from dsv4rl.model.wire_format import WireFormat
@@ -164,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="the resolved config.yaml the launcher wrote")
     parser.add_argument("--task", type=Task, choices=(Task.train, Task.align), default=Task.train)
     args = parser.parse_args(argv)
+    # SIGINT is how the supervisor (through torchrun) stops a rank at once; SIGTERM and SIGUSR1 ask a
+    # training rank to stop at its next step boundary (dsv4rl.faults.stop).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    stop_signals = StopSignals().install() if args.task == Task.train else None
     cfg = load_config_file(args.config)
     run_dir = Path(cfg.run.dir)
     model_path = cfg.model.path or str(run_dir / "model")
@@ -207,8 +213,12 @@ def main(argv: list[str] | None = None) -> int:
                 config.vocab_size, verify.probe_sequences, verify.probe_length, bos=config.bos_token_id
             )
         freeze_own_gc()
-        RLLoop(cfg, backend, run_dir, driver, weight_sync, probe=probe).run()
-        log.info("training finished")
+        loop = RLLoop(cfg, backend, run_dir, driver, weight_sync, probe=probe, stop_signals=stop_signals)
+        loop.run()
+        if loop.stopped_at is None:
+            log.info("training finished")
+        else:
+            log.info("stopped after step %d: resume=auto (or resume=true) continues", loop.stopped_at)
         return 0
     finally:
         if weight_sync is not None:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -62,6 +63,153 @@ def gather_rows(t: torch.Tensor) -> torch.Tensor:
 
 def synced(backend: FSDPBackend) -> dict[str, torch.Tensor]:
     return {k: v.clone().cpu() for k, v in backend.named_weights_for_sync()}
+
+
+def everywhere(value: object) -> list:
+    """`value` from every rank, in rank order."""
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def local_state(backend) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """Copies of this rank's weights and optimizer state (shards): what a skipped step must not change."""
+    out = {f"weight {name}": tensor.detach().clone() for name, tensor in backend.local_weights()}
+    optimizer = getattr(backend.optimizer, "optimizer", backend.optimizer)  # megatron's CPU AdamW: torch's
+    for index, state in enumerate(optimizer.state.values()):
+        for key, value in state.items():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            out[f"optimizer {index} {key}"] = local.detach().clone()
+    return out
+
+
+def bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def poison_gradients(backend, name: str | None) -> None:  # noqa: ANN001
+    """A gradient hook: after each backward, an Inf in this rank's shard of the gradient `name`, where this
+    rank holds one (None: no more)."""
+    backend.__dict__.pop("forward_backward", None)
+    if name is None:
+        return
+    original = backend.forward_backward
+
+    def forward_backward(micro, loss):  # noqa: ANN001, ANN202
+        sums = original(micro, loss)
+        grad = dict(backend.local_gradients()).get(name)
+        if grad is not None and grad.numel():
+            with torch.no_grad():
+                grad[(0,) * grad.dim()] = float("inf")
+        return sums
+
+    backend.forward_backward = forward_backward
+
+
+def nonfinite(backend, shard, root: Path, save: bool = True) -> dict:  # noqa: ANN001
+    """The non-finite guard on either backend (`train.max_nonfinite_steps=2`, lr warmup over 10 optimizer
+    steps so the schedule's position shows): a NaN advantage and an Inf gradient skip the step with the
+    weights and optimizer state bit for bit as before; the third skip in a row stops naming the tensor;
+    with the limit at 0 a NaN loss stops at once; non-finite weights are never checkpointed (`save`: a
+    finite checkpoint is written first and its mark read back)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {"metrics": []}
+
+    def step(seed: int, nan_advantage: bool = False) -> None:
+        batch = make_batch(8, seed=seed)
+        if nan_advantage:
+            batch.advantages[0] = float("nan")  # the first row: rank 0's share (one replica's only)
+        out["metrics"].append(backend.train_step(shard(batch)))
+
+    def stopped(seed: int, nan_advantage: bool = False) -> dict:
+        try:
+            step(seed, nan_advantage)
+        except Exception as error:  # noqa: BLE001  (the test reads the type and the message)
+            found = {key: getattr(error, key, None) for key in ("step", "phase", "tensor")}
+            return {"type": type(error).__name__, "message": str(error), **found}
+        return {"type": None}
+
+    step(50)  # a finite step first: Adam's state exists
+    before = local_state(backend)
+    step(51, nan_advantage=True)
+    out["advantage_skip"] = everywhere(bit_identical(before, local_state(backend)))
+    out["counters"] = [(backend.step, backend.updates, backend.nonfinite_in_a_row)]
+    step(52)  # finite again: the update the skipped one would have been, at the same lr
+    out["moved"] = everywhere(not bit_identical(before, local_state(backend)))
+    out["counters"].append((backend.step, backend.updates, backend.nonfinite_in_a_row))
+
+    # an Inf in the gradient of the last rank's last parameter (on every rank that holds a shard or copy
+    # of it: replicas' gradients agree after their reduction): two skips are tolerated, the third stops
+    weights = dict(backend.local_weights())
+    poisoned = everywhere([n for n, t in weights.items() if t.requires_grad and t.numel()][-1])[-1]
+    holders = everywhere(poisoned in weights and weights[poisoned].numel() > 0)
+    out["poisoned"] = (poisoned, holders.index(True))
+    poison_gradients(backend, poisoned)
+    before = local_state(backend)
+    step(53)
+    step(54)
+    out["gradient_skips"] = everywhere(bit_identical(before, local_state(backend)))
+    out["third"] = stopped(55)
+    out["after_stop"] = everywhere(bit_identical(before, local_state(backend)))
+    poison_gradients(backend, None)
+    out["counters"].append((backend.step, backend.updates, backend.nonfinite_in_a_row))
+
+    step(56)  # finite: the count in a row starts over
+    backend.cfg.train.max_nonfinite_steps = 0
+    out["at_once"] = stopped(57, nan_advantage=True)
+
+    # checkpoints: marked finite; a non-finite weight (on the last rank) is never written
+    if save:
+        saved = backend.save_checkpoint(str(checkpoint_dir(root, backend.step)), {})
+        out["saved_state"] = torch.load(saved / "trainer_state.pt", weights_only=True)
+    tensor = dict(backend.local_weights()).get(poisoned)
+    if rank == world - 1 and tensor is not None:
+        with torch.no_grad():
+            tensor[(0,) * tensor.dim()] = float("nan")
+    target = checkpoint_dir(root, backend.step + 1)
+    try:
+        backend.save_checkpoint(str(target), {})
+        out["nonfinite_save"] = None
+    except Exception as error:  # noqa: BLE001
+        out["nonfinite_save"] = (type(error).__name__, str(error), getattr(error, "phase", None))
+    out["unsaved"] = (target.exists(), target.with_name(target.name + ".tmp").exists())
+    return out
+
+
+def check_nonfinite(result: dict, world: int) -> None:
+    """What `nonfinite` must find, on either backend (read by the tests, not under torchrun)."""
+    m = result["metrics"]
+    # 50 finite; 51 NaN advantage: skipped, weights and optimizer state bit for bit as they were
+    assert [x["nonfinite_steps"] for x in m] == [0, 1, 0, 1, 1, 0]  # 50, 51, 52, 53, 54, 56
+    assert result["advantage_skip"] == [True] * world
+    assert m[1]["loss"] != m[1]["loss"]  # NaN (metrics.jsonl writes null)
+    # the schedule did not advance: 52 took the update 51 would have, at the same (warmup) lr
+    assert m[0]["lr"] == pytest.approx(1e-4) and m[1]["lr"] == m[2]["lr"] == pytest.approx(2e-4)
+    assert result["moved"] == [True] * world
+    # (train steps done, optimizer steps taken, skipped in a row); a step that stops is not done
+    assert result["counters"] == [(2, 1, 1), (3, 2, 0), (5, 2, 3)]
+    # an Inf gradient: two skips tolerated, the third stops naming it (and changes nothing either)
+    name, rank = result["poisoned"]
+    assert result["gradient_skips"] == result["after_stop"] == [True] * world
+    third = result["third"]
+    assert third["type"] == "NonFiniteError" and (third["step"], third["phase"]) == (6, "train")
+    assert third["tensor"].startswith(f"the gradient of {name} (Inf in 1 of ")
+    assert third["tensor"].endswith(f", rank {rank})" if world > 1 else ")")
+    assert "3 non-finite optimizer steps in a row" in third["message"]
+    assert "train.max_nonfinite_steps=2" in third["message"]
+    # the limit at 0: the first NaN loss stops, naming the loss
+    at_once = result["at_once"]
+    stop = [at_once[key] for key in ("type", "step", "phase", "tensor")]
+    assert stop == ["NonFiniteError", 7, "train", "loss"]
+    # checkpoints are marked finite; a NaN weight (on the last rank) stops the save before anything is written
+    if "saved_state" in result:
+        assert result["saved_state"]["finite"] is True and result["saved_state"]["step"] == 6
+    kind, message, phase = result["nonfinite_save"]
+    assert kind == "NonFiniteError" and phase == "checkpoint"
+    assert f"weight {name} (NaN in 1 of " in message and "step_00000007 was not written" in message
+    if world > 1:
+        assert f"rank {world - 1})" in message
+    assert result["unsaved"] == (False, False)
 
 
 def resume_across_worlds(out: Path, other: Path) -> None:
@@ -196,7 +344,12 @@ def main() -> None:
     res["per_rank_restore"] = flags
     del backend
 
-    # 5. timing (optional): 128 sequences x ~12 tokens
+    # 5. the non-finite guard (shared with tests/train/megatron/backend_scenarios.py)
+    backend = FSDPBackend(config(train__max_nonfinite_steps=2, optim__warmup_steps=10), str(model_dir))
+    res["nonfinite"] = nonfinite(backend, lambda b: b.shard(rank, world), out / "nonfinite")
+    del backend
+
+    # 6. timing (optional): 128 sequences x ~12 tokens
     if os.environ.get("DSV4RL_BENCH"):
         backend = FSDPBackend(config(train__micro_batch_size=64), str(model_dir))
         big = make_batch(128, seed=5).shard(rank, world)

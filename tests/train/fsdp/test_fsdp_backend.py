@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fsdp_scenarios import check_nonfinite
 from transformers import DeepseekV4ForCausalLM
 
 SCRIPT = Path(__file__).with_name("fsdp_scenarios.py")
@@ -199,3 +200,8 @@ def test_a_checkpoint_resumes_at_the_other_world_size(results, resumed):
             moved = crossed["trained"][name] - crossed["loaded"][name]
             reference = own["trained"][name] - own["loaded"][name]
             torch.testing.assert_close(moved, reference, atol=1e-4, rtol=0, msg=f"world {world}: {name}")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_nonfinite_steps_are_skipped_then_stop_naming_the_tensor(results, world):
+    check_nonfinite(results[world]["nonfinite"], world)

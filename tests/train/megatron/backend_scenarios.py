@@ -1,6 +1,7 @@
 """Run under torchrun (gloo on CPU, NCCL on GPUs): MegatronBackend at a parallel layout on the tiny
 checkpoint.
-Writes OUT/results.pt on rank 0 for tests/train/megatron/test_megatron_backend.py.
+Writes OUT/results.pt on rank 0 for tests/train/megatron/test_megatron_backend.py; the non-finite guard
+runs as in tests/train/fsdp/fsdp_scenarios.py.
 
 Usage: backend_scenarios.py OUT TP PP EP [LAST_STAGE_LAYERS] [--with-fsdp] [--load CHECKPOINT]
                            [--recompute MODE [N]]
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fsdp"))  # the FSDP scenarios' helpers
-from fsdp_scenarios import config, make_batch  # noqa: E402
+from fsdp_scenarios import config, make_batch, nonfinite  # noqa: E402
 
 from dsv4rl.config.schema import Config, RecomputeMode, TrainBackend  # noqa: E402
 from dsv4rl.model.model_dir import materialize_model  # noqa: E402
@@ -115,6 +116,16 @@ def main() -> None:
     results["extra"] = extra
     results["reloaded"] = synced(backend)
     results["reloaded_step"] = backend.step
+    del backend
+
+    # the non-finite guard (fsdp_scenarios.nonfinite): one update per step, the layout's own ranks
+    guarded = megatron_config(
+        tensor, pipeline, expert, last, train__max_nonfinite_steps=2, optim__warmup_steps=10
+    )
+    backend = build_backend(guarded, str(model_dir), None)
+    replica = (backend.data_parallel_rank, backend.data_parallel_size)
+    # (no finite save: megatron's is slow, and the checkpoint above carries the mark the tests read)
+    results["nonfinite"] = nonfinite(backend, lambda b: b.shard(*replica), out_dir / "nonfinite", save=False)
     del backend
 
     if with_fsdp:

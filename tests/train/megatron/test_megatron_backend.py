@@ -3,11 +3,15 @@ batches, at TP=2, PP=2 and EP=2 against world size 1, and its checkpoints (backe
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from test_megatron_model import collect, launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fsdp"))  # the scenarios' shared checks
+from fsdp_scenarios import check_nonfinite  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("backend_scenarios.py")
 # (tensor, pipeline, expert, last stage layers); the recompute modes ride along (they change no number)
@@ -106,3 +110,18 @@ def test_each_stage_source_yields_its_own_stage(single, layouts, layout):
         assert "lm_head.weight" in by_stage[1] and "model.embed_tokens.weight" in by_stage[0]
     single_by_stage = single["fsdp_by_stage"]
     assert list(single_by_stage) == [0] and set(single_by_stage[0]) == set(single["fsdp_after"])
+
+
+def test_nonfinite_steps_are_skipped_then_stop_naming_the_tensor(single):
+    """Megatron at world 1: the skip leaves weights and Adam's state bit for bit, the stop names the
+    tensor (megatron's parameter names), checkpoints are marked finite and a NaN weight is never saved."""
+    check_nonfinite(single["nonfinite"], world=1)
+    saved = torch.load(Path(single["checkpoint"]) / "trainer_state.pt", weights_only=True)
+    assert saved["finite"] is True and saved["step"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_nonfinite_steps_are_skipped_at_every_layout(layouts, layout):
+    """TP=2, PP=2 (the loss only on the last stage), EP=2 (two data-parallel replicas): all ranks agree."""
+    check_nonfinite(layouts[layout]["nonfinite"], world=2)

@@ -13,6 +13,7 @@ offsets, so a run saved at one world size resumes at another.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -31,6 +32,8 @@ from dsv4rl.model.native_checkpoint import load_native_model
 from dsv4rl.train import checkpoint as ckpt
 from dsv4rl.train import update
 from dsv4rl.train.batch import TrainBatch
+from dsv4rl.train.checkpoint_dirs import FINITE
+from dsv4rl.train.nonfinite import require_finite_weights
 from dsv4rl.train.update import MicroBatch, MicroLoss
 from dsv4rl.train.weight_decay import param_groups
 
@@ -45,6 +48,11 @@ def default_device() -> torch.device:
 def full_tensor(tensor: Tensor) -> Tensor:
     """The whole of a (possibly sharded) parameter."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a (possibly sharded) tensor, no communication."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class FSDPBackend:
@@ -82,6 +90,8 @@ class FSDPBackend:
         )
         self.step = 0  # completed train_step calls
         self.updates = 0  # optimizer steps taken (the learning-rate schedule's position)
+        self.nonfinite_in_a_row = 0  # optimizer steps skipped since the last one taken
+        self._norm: Tensor | None = None  # the norm grad_norm computed, for optimizer_step's clipping
         # False forces the separate old-policy forward even when the training forward could serve (tests)
         self.reuse_policy_forward = True
 
@@ -170,18 +180,37 @@ class FSDPBackend:
             sums.append(part_sums)
         return torch.stack(sums).sum(dim=0)
 
-    def optimizer_step(self, lr: float) -> float:
-        """Clip to optim.grad_clip and step at `lr`; returns the gradient norm before clipping."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+    def grad_norm(self) -> float:
+        """The gradient norm before clipping, over all ranks (what `clip_grad_norm_` computes first)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        self._norm = torch.nn.utils.get_total_norm(grads)
+        norm = self._norm.full_tensor() if isinstance(self._norm, DTensor) else self._norm
+        return float(norm)
+
+    def optimizer_step(self, lr: float) -> None:
+        """Clip to optim.grad_clip by the norm `grad_norm` returned, and step at `lr`."""
+        if self.cfg.optim.grad_clip > 0:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.optim.grad_clip, self._norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+
+    def skip_step(self) -> None:
+        """A non-finite step: the gradients go, the weights and Adam's state (its step count too) stay."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def local_gradients(self) -> Iterator[tuple[str, Tensor]]:
+        """This rank's shard of each gradient (the whole of it on one rank), parameter order."""
+        for name, parameter in self.model.named_parameters():
+            if parameter.grad is not None:
+                yield name, _local(parameter.grad)
+
+    def local_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """This rank's shard of each parameter and buffer of the policy (what the sync gathers)."""
+        for name, tensor in itertools.chain(self.model.named_parameters(), self.model.named_buffers()):
+            yield name, _local(tensor)
 
     # ------------------------------------------------------------------ weights and checkpoints
     weight_source_ranks = (0,)  # one stage, sent by rank 0
@@ -201,11 +230,13 @@ class FSDPBackend:
                 yield name, full.detach()
 
     def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> Path:
+        """Refused (`NonFiniteError`) when a weight is non-finite; marked finite (`checkpoint_dirs`)."""
+        require_finite_weights(self, self.step, "checkpoint", f"{directory} was not written")
         return ckpt.save_checkpoint(
             directory,
             self.model,
             self.optimizer,
-            {"step": self.step, "updates": self.updates},
+            {"step": self.step, "updates": self.updates, FINITE: True},
             extra_state,
             keep=self.cfg.train.keep_checkpoints,
         )

@@ -37,12 +37,14 @@ from dsv4rl.model.native_checkpoint import (
 )
 from dsv4rl.train import update
 from dsv4rl.train.batch import TrainBatch
+from dsv4rl.train.checkpoint_dirs import FINITE
 from dsv4rl.train.megatron import checkpoint, convert
 from dsv4rl.train.megatron.architecture import DeepseekV4Architecture, ParallelSizes, transformer_config
 from dsv4rl.train.megatron.model import DeepseekV4Model
 from dsv4rl.train.megatron.optimizer import build_optimizer, finalize_gradients, optimizer_config
 from dsv4rl.train.megatron.parallel import build_stage, initialize, run_pipeline
 from dsv4rl.train.megatron.tensor_source import NativeCheckpointSource, StateDictSource, TensorSource
+from dsv4rl.train.nonfinite import require_finite_weights
 from dsv4rl.train.update import MicroBatch, MicroLoss
 
 
@@ -121,6 +123,7 @@ class MegatronBackend:
         self.optimizer = build_optimizer(self.ddp, cfg, self.configs.optimizer)
         self.has_reference = self.ref_model is not None
         self.updates = 0  # optimizer steps taken (the learning-rate schedule's position)
+        self.nonfinite_in_a_row = 0  # optimizer steps skipped since the last one taken
         self.step = 0  # completed train_step calls
         # False forces the separate old-policy forward even when the training forward could serve (tests)
         self.reuse_policy_forward = True
@@ -245,9 +248,27 @@ class MegatronBackend:
             sums += item["sums"]
         return sums
 
-    def optimizer_step(self, lr: float) -> float:
+    def grad_norm(self) -> float:
+        return self.optimizer.grad_norm()
+
+    def optimizer_step(self, lr: float) -> None:
         self.optimizer.set_lr(lr)
-        return self.optimizer.step()
+        self.optimizer.step()
+
+    def skip_step(self) -> None:
+        self.optimizer.zero_grad()
+
+    def local_gradients(self) -> Iterator[tuple[str, Tensor]]:
+        """This rank's gradient buffers (`main_grad`; megatron's names), parameter order."""
+        for name, parameter in self.model.named_parameters():
+            grad = getattr(parameter, "main_grad", None)
+            if grad is not None:
+                yield name, grad
+
+    def local_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """This rank's parameters and buffers of the policy (its stage, its TP and EP shards)."""
+        yield from self.model.named_parameters()
+        yield from self.model.named_buffers()
 
     # ------------------------------------------------------------------ weights and checkpoints
     @property
@@ -297,7 +318,9 @@ class MegatronBackend:
                     yield name, tensor
 
     def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> Path:
-        counters = {"step": self.step, "updates": self.updates}
+        """Refused (`NonFiniteError`) when a weight is non-finite; marked finite (`checkpoint_dirs`)."""
+        require_finite_weights(self, self.step, "checkpoint", f"{directory} was not written")
+        counters = {"step": self.step, "updates": self.updates, FINITE: True}
         keep = self.cfg.train.keep_checkpoints
         return checkpoint.save_checkpoint(self.model, self.optimizer, counters, directory, extra_state, keep)
 

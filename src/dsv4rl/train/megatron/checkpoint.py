@@ -7,7 +7,8 @@ describes itself (GPU); the CPU AdamW's moments are mapped onto the same sharded
 
 Layout of `<root>/step_00000010/`: megatron's shard files, `trainer_state.pt` (step, optimizer steps
 taken; written last, so its presence marks a complete checkpoint) and `extra_rank00000.pt`, ... (the
-loop's extra state and each rank's RNG states). Written into `<dir>.tmp`, renamed when complete.
+loop's extra state and each rank's RNG states). Written into `<dir>.tmp`, fsynced (every rank its own
+extra file; rank 0 the whole directory) and renamed when complete (`dsv4rl.train.checkpoint.publish`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,15 @@ Without a GPU megatron's optimizers cannot run (their CUDA type checks and strea
 `ModelParallelAdamW` does the same step with torch's AdamW: the gradient norm counts each tensor once
 across tensor-, data- and expert-data-parallel copies, then clips. Both decay only the parameters
 `dsv4rl.train.weight_decay.decays` names, as the `fsdp` backend does.
+
+A step is split in two so that the update loop can skip a non-finite one (`dsv4rl.train.nonfinite`):
+`grad_norm` (the global pre-clip norm), then `step` (clip by that norm and update) or nothing at all.
+megatron's own `step()` does not skip: only a loss scaler (fp16, or an explicit `loss_scale`) sets
+`found_inf`, and dsv4rl trains bf16/fp32 without one, so a NaN gradient would reach the weights (the NaN
+norm fails `clip_coeff < 1.0` and nothing is clipped). `MegatronDistributedAdam` therefore runs the parts
+of `ChainedOptimizer.step` (`megatron/core/optimizer/optimizer.py:1308`) itself: `prepare_grads`,
+`get_grad_norm`, clipping by that norm, `step_with_ready_grads`; a skipped step stops after the norm, which
+changes no weight and no optimizer state (`prepare_grads` only copies gradients into the main gradients).
 """
 
 from __future__ import annotations
@@ -47,13 +56,16 @@ def finalize_gradients(
 
 
 class StepOptimizer(Protocol):
-    """What the backend needs: zero, set the learning rate, step (returns the pre-clip gradient norm)."""
+    """What the backend needs: zero, set the learning rate, the pre-clip gradient norm, then a step
+    clipped by that norm (or none: a skipped step only zeroes)."""
 
     def zero_grad(self) -> None: ...
 
     def set_lr(self, lr: float) -> None: ...
 
-    def step(self) -> float: ...
+    def grad_norm(self) -> float: ...
+
+    def step(self) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -84,6 +96,7 @@ class ModelParallelAdamW:
         groups = param_groups(model.named_parameters(), optim.weight_decay)
         self.parameters = [p for group in groups for p in group["params"]]  # the state's id order
         self.grad_clip = optim.grad_clip
+        self.norm = 0.0  # what grad_norm computed, for step's clipping
         self.optimizer = torch.optim.AdamW(
             groups, lr=optim.lr, betas=(float(optim.betas[0]), float(optim.betas[1])), eps=optim.eps
         )
@@ -96,18 +109,20 @@ class ModelParallelAdamW:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def step(self) -> float:
+    def grad_norm(self) -> float:
         squares = torch.zeros(1, dtype=torch.float64)
         for parameter in self.parameters:
             parameter.grad = parameter.main_grad.to(parameter.dtype)
             if _counted_once(parameter):
                 squares += parameter.grad.double().pow(2).sum().cpu()
         dist.all_reduce(squares)
-        norm = math.sqrt(float(squares))
-        if self.grad_clip > 0 and norm > self.grad_clip:
-            torch._foreach_mul_([p.grad for p in self.parameters], self.grad_clip / (norm + 1e-6))
+        self.norm = math.sqrt(float(squares))
+        return self.norm
+
+    def step(self) -> None:
+        if self.grad_clip > 0 and self.norm > self.grad_clip:
+            torch._foreach_mul_([p.grad for p in self.parameters], self.grad_clip / (self.norm + 1e-6))
         self.optimizer.step()
-        return norm
 
     def initialise_state(self) -> None:
         """Adam's moments at zero for parameters that have none yet (what a checkpoint loads into)."""
@@ -170,6 +185,7 @@ class MegatronDistributedAdam:
 
         self.weight_decay = config.weight_decay
         self.optimizer = get_megatron_optimizer(config, [model], config_overrides=weight_decay_overrides())
+        self.norm = 0.0  # what grad_norm computed, for step's clipping
         self.set_lr(config.lr)
 
     def zero_grad(self) -> None:
@@ -183,9 +199,29 @@ class MegatronDistributedAdam:
             group["lr"] = lr
             group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
 
-    def step(self) -> float:
-        _, norm, _ = self.optimizer.step()
-        return float(norm or 0.0)
+    def grad_norm(self) -> float:
+        """Gradients into the main (fp32) gradients, and their norm over every rank; NaN when a loss
+        scaler found an Inf (a scaler also updates its scale here, as in megatron's own step)."""
+        found_inf = self.optimizer.prepare_grads()
+        self.norm = float(self.optimizer.get_grad_norm())
+        return float("nan") if found_inf else self.norm
+
+    def step(self) -> None:
+        """Clip every part of the (chained) optimizer by the norm `grad_norm` returned, then update."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if getattr(part, "is_stub_optimizer", False) or part.config.clip_grad <= 0:
+                continue
+            parameters = part.get_parameters()
+            if parameters:
+                clip_grad_by_total_norm_fp32(
+                    parameters,
+                    max_norm=part.config.clip_grad,
+                    total_norm=self.norm,
+                    use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                )
+        self.optimizer.step_with_ready_grads()
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
