@@ -74,7 +74,12 @@ def _say_resume(cfg: Config, run_dir: Path, checkpoint: Path | None, console: Co
     if not cfg.resume:
         return
     if checkpoint is not None:
-        console.print(f"resume={cfg.resume}: continuing from {checkpoint}", style="dim", soft_wrap=True)
+        console.print(
+            f"resume={cfg.resume}: continuing from {checkpoint} (the newest; the one before it if it cannot "
+            "be read)",
+            style="dim",
+            soft_wrap=True,
+        )
     elif cfg.resume == ResumeMode.auto:
         console.print(f"resume=auto: no checkpoint in {run_dir / 'checkpoints'}: a fresh run", style="dim")
     else:

@@ -249,7 +249,8 @@ def load_checkpoint(
     except LOAD_ERRORS as error:  # DCP gathers every rank's read errors and raises them on all ranks
         raise CheckpointUnreadable(path, f"model/optimizer shards (*.distcp): {_reason(error)}") from error
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    counters = {key: value for key, value in trainer_state.items() if isinstance(value, int)}
+    # the counters are the ints (the finite mark, a bool, is not one of them)
+    counters = {key: value for key, value in trainer_state.items() if type(value) is int}
     counters.pop("world_size", None)
     if "scheduler" in trainer_state:  # written before the counters: its position is the optimizer steps
         counters.setdefault("updates", int(trainer_state["scheduler"]["last_epoch"]))
