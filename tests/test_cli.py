@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 import dsv4rl.launcher.run
+from dataset_files import DATA, needs_data
 from dsv4rl.cli import app
 from dsv4rl.config.schema import Config
 
@@ -301,3 +302,50 @@ def test_align_refuses_a_checkpoint_in_another_format_before_starting(tmp_path, 
     assert result.exit_code == 2
     assert "holds bf16" in result.output and "set quant=bf16" in result.output
     assert not (tmp_path / "runs").exists()
+
+
+def test_prompts_shows_the_tiny_prompts_in_the_chat_format() -> None:
+    result = runner.invoke(
+        app, ["prompts", "recipe=tiny_arith", "data.chat_format=deepseek_v4", "--n", "2", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    first = report["prompts"][0]
+    assert set(first) == {"id", "text", "ids", "tokens"} and len(report["prompts"]) == 2
+    assert first["text"].startswith("<bos><｜User｜>") and first["text"].endswith("<｜Assistant｜></think>")
+    assert first["tokens"] == len(first["ids"]) == 8
+    assert report["lengths"]["count"] == 16 and report["lengths"]["max"] == 8 and report["dropped"] == 0
+    table = runner.invoke(app, ["prompts", "recipe=tiny_arith", "data.max_prompt_len=4"])
+    assert table.exit_code == 0, table.output
+    assert "prompt length in tokens" in table.output and "dropped" in table.output
+
+
+@needs_data
+def test_prompts_of_dapo_math_equal_deepseek_recipe_ids() -> None:
+    """The issue's acceptance on DAPO-Math's first rows (its 300-row sample: the parquet takes a minute)."""
+    import deepseek_recipe
+
+    from dsv4rl.model.tokenizer_files import deepseek_v4_tokenizer_dir
+
+    sample = DATA / "dapo_math_17k_sample300.jsonl"
+    argv = ["prompts", "recipe=dapo_math", f"data.path={sample}", "data.holdout=0", "--n", "2", "--json"]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["lengths"]["count"] == 300 and report["tokenizer"] == "deepseek_v4"
+    special = deepseek_recipe.SpecialTokens(image="<｜deepseek_image｜>")
+    tokenizer = deepseek_recipe.Tokenizer.from_file(str(deepseek_v4_tokenizer_dir() / "tokenizer.json"))
+    encoding = deepseek_recipe.DeepseekV4Encoding().with_special_tokens(special).with_tokenizer(tokenizer)
+    options = deepseek_recipe.ConversionOptions().with_special_tokens(special)
+    rows = [json.loads(line) for line in sample.read_text().splitlines()[:2]]
+    for row, prompt in zip(rows, report["prompts"], strict=True):
+        assert prompt["text"].startswith("<｜begin▁of▁sentence｜>") and "<｜User｜>" in prompt["text"]
+        assert prompt["text"].endswith("<｜Assistant｜><think>")
+        body = {"model": "DeepSeek-V4-Pro", "messages": row["prompt"], "thinking": {"type": "enabled"}}
+        conversation = deepseek_recipe.ChatCompletionRequest(body).convert(options).conversation
+        assert prompt["ids"] == encoding.encode(conversation)
+
+
+def test_prompts_refuses_a_missing_data_file(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["prompts", "recipe=dapo_math", f"data.path={tmp_path / 'none.parquet'}"])
+    assert result.exit_code == 2 and "does not exist" in result.output

@@ -26,7 +26,7 @@ from dsv4rl.config.compose import (
     list_recipes,
     to_yaml,
 )
-from dsv4rl.config.schema import Config, EvalSet, Task
+from dsv4rl.config.schema import AlignFeature, Config, EvalSet, Task
 
 app = typer.Typer(
     name="dsv4rl",
@@ -147,24 +147,44 @@ def _run_task_for_report(cfg: Config, task: Task, console: Console, report_path)
 def align_command(
     args: RecipeArgs = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    attribute: Annotated[
+        bool,
+        typer.Option(
+            "--attribute",
+            help="Toggle each alignment feature (replays, fp32 LM head, trainer-side rounding) on fixed "
+            "sequences and report what each contributes (align.attribute names a subset).",
+        ),
+    ] = False,
 ) -> None:
     """Measure how far the engines' log-probs are from the trainer's after a (quantized) weight sync.
 
     Starts the recipe's engines and trainer, pushes the trainer's weights in the `quant` format, samples
     responses with the engines and recomputes their log-probs with the trainer on the same tokens.
     With the tiny model the trainer holds the unquantized weights and the engines the quantized ones.
-    Files go to <run.dir>/align/<quant>/ (report: align.json).
+    Files go to <run.dir>/align/<quant>/ (report: align.json). With --attribute: one run per engine start
+    the grid needs, on one fixed set of sampled sequences, into <run.dir>/align/<quant>/attribute/
+    (report: attribute.json; docs/attribution.md).
     """
     from pathlib import Path
 
     try:
         recipe, overrides = _split_recipe(list(args or []))
         cfg = compose(recipe, overrides)
-        cfg.run.dir = str(Path(cfg.run.dir) / "align" / cfg.quant.name.value)
+        attribute = attribute or cfg.align.attribute is not None
+        cfg.run.dir = str(
+            Path(cfg.run.dir) / "align" / cfg.quant.name.value / ("attribute" if attribute else "")
+        )
         validate(cfg, check_paths=True)
         _check_engine_python(cfg)
+        if attribute:
+            from dsv4rl.launcher.attribute_run import resolve_features
+
+            features, skipped = resolve_features(cfg)
     except ConfigError as exc:
         raise _fail(str(exc)) from None
+    if attribute:
+        _align_attribute(cfg, features, skipped, as_json)
+        return
 
     from dsv4rl.launcher.align_view import render_align
     from dsv4rl.train.align import REPORT_FILE
@@ -177,6 +197,26 @@ def align_command(
         typer.echo(json.dumps(report, indent=2))
     else:
         render_align(report, console)
+
+
+def _align_attribute(
+    cfg: Config, features: list[AlignFeature], skipped: dict[str, str], as_json: bool
+) -> None:
+    """One align run per engine start of the attribution grid, then the merged report."""
+    from dsv4rl.launcher.align_view import render_attribution
+    from dsv4rl.launcher.attribute_run import run_attribution
+
+    console = Console(stderr=True) if as_json else Console()
+    try:
+        report = run_attribution(
+            cfg, features, skipped, lambda run, path: _run_task_for_report(run, Task.align, console, path)
+        )
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        render_attribution(report, console)
 
 
 def _split_eval_args(args: list[str]) -> tuple[str, list[str]]:
@@ -237,25 +277,43 @@ def eval_command(
         raise _fail(
             f"--preset {preset!r} is unknown; choose one of {[p.value for p in SamplingPreset]}"
         ) from None
+    from dsv4rl.eval.weights import scored_weights
+    from dsv4rl.export.for_eval import export_for_eval, run_checkpoints_note, split_checkpoint_arg
+    from dsv4rl.export.sources import ExportError
+
+    console = Console(stderr=True) if as_json else Console()
     try:
-        recipe, overrides = _split_eval_args(list(args or []))
+        checkpoint_target, plain_args = split_checkpoint_arg(list(args or []))
+        recipe, overrides = _split_eval_args(plain_args)
         cfg = compose(recipe, [f"eval={eval_set}", *preset_overrides(chosen), *overrides])
         if cfg.eval is None:
             raise ConfigError(f"eval set {eval_set!r} evaluates nothing; choose one of {', '.join(EvalSet)}")
-        cfg.run.dir = str(Path(cfg.run.dir) / "eval" / eval_set)
+        eval_dir = Path(cfg.run.dir) / "eval" / eval_set
+        if checkpoint_target is not None:  # a run's checkpoint: exported once, then scored as a model dir
+            if responses is not None or any(a.startswith("model.path=") for a in overrides):
+                raise ConfigError("checkpoint= names the weights to score: drop model.path= and --responses")
+            checkpoint, exported = export_for_eval(checkpoint_target, cfg.quant.name, console)
+            cfg.model.path = str(exported)
+            run_given = any(a.startswith("run.dir=") for a in overrides)
+            base = Path(cfg.run.dir) if run_given else checkpoint.run_dir
+            eval_dir = base / "eval" / eval_set / checkpoint.path.name
+        elif responses is None:
+            note = run_checkpoints_note(Path(cfg.run.dir), scored_weights(cfg.model.path, eval_dir))
+            if note:
+                console.print(note, style="yellow", soft_wrap=True)
+        cfg.run.dir = str(eval_dir)
         if responses is not None:  # nothing is sampled: the eval's cap does not bind the recipe's model
             cfg.eval.sampling = copy.deepcopy(cfg.algo.sampling)
         validate(cfg, check_paths=True)
         if responses is None:
             _check_engine_python(cfg)
-    except ConfigError as exc:
+    except (ConfigError, ExportError, ValueError) as exc:
         raise _fail(str(exc)) from None
 
     from dsv4rl.eval.data import EvalDataError, eval_problems
     from dsv4rl.eval.run import REPORT_FILE, ResponsesError, eval_grader, evaluate_responses, write_report
     from dsv4rl.eval.view import render_eval
 
-    console = Console(stderr=True) if as_json else Console()
     run_dir = Path(cfg.run.dir).resolve()
     report_path = run_dir / REPORT_FILE
     report_path.unlink(missing_ok=True)  # never show an earlier run's numbers
@@ -264,13 +322,21 @@ def eval_command(
             raise _fail(f"--responses {responses}: no such file")
         grader = eval_grader(cfg)
         try:
+            from dsv4rl.data.chat_format import eval_chat_settings
+
             report = evaluate_responses(
-                cfg.eval, eval_problems(cfg), Path(responses), grader, cfg.reward.max_error_fraction
+                cfg.eval,
+                eval_problems(cfg),
+                Path(responses),
+                grader,
+                cfg.reward.max_error_fraction,
+                eval_chat_settings(cfg).format,
             )
         except (EvalDataError, ResponsesError, ValueError) as exc:
             raise _fail(str(exc)) from None
         finally:
             getattr(grader, "close", lambda: None)()
+        report["weights"] = {"kind": "responses", "responses_file": str(Path(responses).resolve())}
         write_report(report, run_dir)
     else:
         try:
@@ -282,6 +348,53 @@ def eval_command(
         typer.echo(json.dumps(report, indent=2))
     else:
         render_eval(report, console, str(report_path))
+
+
+@app.command("export")
+def export_command(
+    run_dir: Annotated[
+        str,
+        typer.Argument(
+            help="The run's directory (its run.dir), or one of its checkpoints/step_N directories.",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[str, typer.Option("--out", help="The model directory to write.", show_default=False)],
+    step: Annotated[
+        int | None, typer.Option("--step", help="The checkpoint's step (default: the newest complete one).")
+    ] = None,
+    fmt: Annotated[
+        str, typer.Option("--format", help="native: the release's names (SGLang); hf: transformers' names.")
+    ] = "native",
+    quant: Annotated[
+        str, typer.Option("--quant", help="none (the trainer's dtype), bf16, fp8_rollout or fp8_mxfp4.")
+    ] = "none",
+    force: Annotated[bool, typer.Option("--force", help="Replace a non-empty --out.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the export's record as JSON.")] = False,
+) -> None:
+    """Write a training checkpoint (FSDP or Megatron, any layout) as a model directory: sharded
+    safetensors with an index, config.json with the release's keys, the tokenizer, dsv4rl-export.json."""
+    from dsv4rl.config.schema import ExportFormat, QuantMode, choice
+
+    try:
+        chosen_format = choice(ExportFormat, fmt, "--format")
+        chosen_quant = choice(QuantMode, quant, "--quant")
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    from dsv4rl.export.sources import ExportError
+    from dsv4rl.export.view import export_with_progress, print_export
+
+    console = Console(stderr=True) if as_json else Console()
+    try:
+        record = export_with_progress(
+            console, target=run_dir, out=out, step=step, fmt=chosen_format, quant=chosen_quant, force=force
+        )
+    except ExportError as exc:
+        raise _fail(str(exc)) from None
+    if as_json:
+        typer.echo(json.dumps(record, indent=2))
+    else:
+        print_export(record, console)
 
 
 @app.command("plan")
@@ -338,6 +451,47 @@ def plan_command(
         typer.echo(json.dumps(plan, indent=2))
     else:
         render_plan(plan, Console())
+
+
+@app.command("prompts")
+def prompts_command(
+    args: RecipeArgs = None,
+    n: Annotated[int, typer.Option("--n", help="How many prompts to show (the data set's first).")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Show what the model will see: the first N training prompts as rendered (data.chat_format) and
+    tokenized, their token counts, the prompt-length distribution and how many rows max_prompt_len drops."""
+    try:
+        recipe, overrides = _split_recipe(list(args or []))
+        cfg = compose(recipe, overrides)
+        validate(cfg, check_paths=False)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    if n < 0:
+        raise _fail(f"--n must be >= 0 (got {n})")
+    from pathlib import Path
+
+    from dsv4rl.data.prompt_report import prompt_report
+    from dsv4rl.model.tiny import run_tokenizer
+    from dsv4rl.model.tokenizer_files import has_tokenizer
+
+    if cfg.data.path is not None and not Path(cfg.data.path).expanduser().is_file():
+        raise _fail(
+            f"data.path {cfg.data.path!r} does not exist: pass data.path=<jsonl or parquet file> or set "
+            "DSV4RL_DATA_DIR to the data directory"
+        )
+    own = cfg.model.path is not None and has_tokenizer(Path(cfg.model.path).expanduser())
+    try:
+        tokenizer = run_tokenizer(cfg.model)
+        report = prompt_report(cfg, tokenizer, n, cfg.model.path if own else cfg.model.tokenizer)
+    except (ValueError, ImportError) as exc:  # a tokenizer without the chat tokens, a bad data row
+        raise _fail(str(exc)) from None
+    if as_json:
+        typer.echo(json.dumps(report, ensure_ascii=False))
+        return
+    from dsv4rl.data.prompt_report import render_prompts
+
+    render_prompts(report, Console())
 
 
 @app.command("report")

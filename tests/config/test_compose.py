@@ -74,7 +74,7 @@ def test_dapo_math_composes_with_reference_run_facts(monkeypatch: pytest.MonkeyP
     cfg = compose("dapo_math")
     m, t, r = cfg.model, cfg.parallel.train, cfg.parallel.rollout
     assert (m.total_params_b, m.num_hidden_layers, m.n_routed_experts) == (284.0, 43, 256)
-    assert m.tokenizer == m.path  # interpolated from model.path
+    assert m.tokenizer == "deepseek_v4"  # the packaged tokenizer; model.path's own wins when it has one
     assert t.backend is TrainBackend.megatron
     assert (t.tensor_parallel, t.pipeline_parallel, t.expert_parallel, t.expert_tensor_parallel) == (
         1,
@@ -151,9 +151,11 @@ def test_overrides_values_groups_and_additions() -> None:
     assert cfg.eval.k == [1, 2]
 
 
-def test_model_path_override_carries_to_tokenizer() -> None:
+def test_model_path_override_keeps_the_packaged_tokenizer_choice() -> None:
+    """The checkpoint's tokenizer is used at run time (dsv4rl.model.tiny.run_tokenizer); the packaged one
+    is what `dsv4rl prompts` and the checks use without a checkpoint."""
     cfg = compose("dapo_math", ["model.path=/models/flash"])
-    assert cfg.model.tokenizer == "/models/flash"
+    assert (cfg.model.path, cfg.model.tokenizer) == ("/models/flash", "deepseek_v4")
 
 
 @pytest.mark.parametrize("override", ["algo.grup_size=4", "+algo.grup_size=4"])

@@ -12,8 +12,10 @@ import pytest
 import torch
 from engine_helpers import changed_weights, tensor_update
 
+from dsv4rl.model.tokenizer import build_char_tokenizer
 from dsv4rl.wire.checksum import checksums
 
+EMBED = f"[{len(build_char_tokenizer())}, 64]"  # the tiny model's embedding: its tokenizer's vocabulary x 64
 OUTSIDE = "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
 
 
@@ -87,7 +89,7 @@ def test_refusals_write_nothing(client):
         ({"serialized_named_tensors": [flat]}, "wants a list of (name, tensor)"),
         ({"serialized_named_tensors": [good, good]}, "2 entries, but the engine has 1 tensor-parallel"),
         ({"serialized_named_tensors": [good], "load_format": "my.loader"}, "Unknown load_format=my.loader"),
-        ({"serialized_named_tensors": [wrong_dtype]}, "embed.weight: the engine holds float32 [27, 64]"),
+        ({"serialized_named_tensors": [wrong_dtype]}, f"embed.weight: the engine holds float32 {EMBED}"),
         ({"serialized_named_tensors": [unknown]}, "model.embed.weight: the engine holds no tensor"),
     ]
     for body, message in cases:
@@ -117,4 +119,4 @@ def test_flattened_metadata_must_describe_the_buffer(client):
         "load_format": "flattened_bucket",
     }
     response = client.post("/update_weights_from_tensor", json=body)
-    assert response.status_code == 400 and "do not hold float32 [27, 64]" in response.json()["message"]
+    assert response.status_code == 400 and f"do not hold float32 {EMBED}" in response.json()["message"]

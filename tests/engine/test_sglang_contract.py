@@ -35,7 +35,13 @@ from dsv4rl.rollout.client import EngineClient
 ROOT = Path(__file__).resolve().parents[2]
 CONTRACT = load_contract()
 # the reference engine's own knobs
-REFERENCE_ONLY_FLAGS = {"--max-batch-size", "--num-threads", "--emulate-non-idempotent-postprocess"}
+REFERENCE_ONLY_FLAGS = {
+    "--max-batch-size",
+    "--num-threads",
+    "--emulate-non-idempotent-postprocess",
+    "--numerics",
+    "--numerics-features",
+}
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -58,6 +64,7 @@ def client_requests() -> list[tuple[str, str, dict | None, dict]]:
         await client.server_info()
         await client.generate([[1, 2], [3]], {"n": 2, "sampling_seed": 3, "max_new_tokens": 4}, True, -1, "r")
         await client.generate([[1, 2]], [{"n": 1, "sampling_seed": 7, "stop_token_ids": [0]}], True)
+        await client.generate([[1, 2]], {"n": 1}, True, return_routed_experts=True, return_indexer_topk=True)
         await client.abort_request("r", abort_all=False)
         await client.pause_generation("retract")
         await client.continue_generation()
@@ -99,7 +106,13 @@ def sglang_plan_argvs() -> list[list[str]]:
     """The SGLang command lines of dapo_math, and of a variant with attention DP and every optional flag."""
     variants = [
         [],
-        ["parallel.rollout.data_parallel=2", "engine.reproducible_sampling=true", "+engine.extra_args=[]"],
+        [
+            "parallel.rollout.data_parallel=2",
+            "engine.reproducible_sampling=true",
+            "+engine.extra_args=[]",
+            "engine.fp32_lm_head=true",
+        ],
+        ["algo.routing_replay=true", "algo.indexer_replay=true"],
     ]
     argvs = []
     for overrides in variants:
@@ -200,6 +213,10 @@ def test_every_flag_the_planner_emits_is_an_sglang_flag_with_its_type() -> None:
     argvs = sglang_plan_argvs()
     assert any("--attn-dp-size" in argv and "--enable-deterministic-inference" in argv for argv in argvs)
     assert all("--config" in argv for argv in argvs)  # dapo_math binds 0.0.0.0: the keys file
+    replaying = [
+        a for a in argvs if "--enable-return-routed-experts" in a and "--enable-return-indexer-topk" in a
+    ]
+    assert replaying and len(replaying) < len(argvs)  # only the variant with the replays on
     assert problems_of_planner(CONTRACT) == []
 
 
@@ -218,6 +235,9 @@ def test_reference_engine_routes_auth_sampling_keys_and_flags_agree(make_client)
         (["routes", "/flush_cache", "query", "timeout"], "timeout_s"),
         (["sampling_params", "sampling_seed"], "seed"),
         (["generate_request", "logprob_start_len"], "logprob_start"),
+        (["generate_request", "routed_experts_start_len"], "routed_start"),
+        (["bodies", "GenerateReqInput", "return_routed_experts"], "return_experts"),
+        (["bodies", "GenerateReqInput", "return_indexer_topk"], "return_topk"),
         (["bodies", "UpdateWeightsFromTensorReqInput", "serialized_named_tensors"], "named_tensors"),
         (["bodies", "ReleaseMemoryOccupationReqInput", "tags"], "memory_tags"),
         (["routes", "/resume_memory_occupation"], "/resume_memory"),

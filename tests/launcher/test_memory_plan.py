@@ -79,6 +79,16 @@ def test_optimizer_bytes_and_micro_batches_in_flight() -> None:
     assert micro_batches_in_flight(0, 4, 2) == 2
 
 
+# DeepSeek-V4-Flash's attention per token (bf16): 4 x 64 x 512 + 3 x 4096 + 6 x 512 values on every layer,
+# plus the compressor's 2 x (2 x 512) values and 512 selection slots of 9 bytes on its 21 CSA layers, 2 x 512
+# values on its 20 HCA layers; averaged over the 43 layers (2 sliding)
+_BASE = 2 * (4 * 64 * 512 + 3 * 4096 + 6 * 512)
+ATTENTION_PER_TOKEN = (2 * _BASE + 21 * (_BASE + 2 * 2048 + 9 * 512) + 20 * (_BASE + 2 * 1024)) / 43
+# one CSA chunk at 5120 tokens: 256 queries' gathered window + top-512 keys (and their gradient) in fp32,
+# and 4 copies of their [64, 256, 128 + 512 + 1] fp32 scores
+CSA_CHUNK = 2 * 256 * 640 * 512 * 4 + 4 * 64 * 256 * 641 * 4
+
+
 def test_activations_by_recompute_mode() -> None:
     layer = LayerActivations(tensors=100, scores=50, streams=10)
     args = {"layers": 4, "tokens": 2, "in_flight": 3}
@@ -90,6 +100,10 @@ def test_activations_by_recompute_mode() -> None:
     )
     with_logits = activation_bytes(layer, **args, recompute=RecomputeMode.full, logits_per_token=7)
     assert with_logits == 540 + 3 * 7 * 2
+    sparse = LayerActivations(
+        tensors=100, scores=0, streams=10, transient=1000
+    )  # one layer's chunk at a time
+    assert activation_bytes(sparse, **args, recompute=RecomputeMode.none) == 3 * 4 * 100 * 2 + 1000
 
 
 def test_dapo_math_stage_0_by_hand(dapo: Config) -> None:
@@ -98,37 +112,38 @@ def test_dapo_math_stage_0_by_hand(dapo: Config) -> None:
     stage0 = memory_plan(dapo).gpus[0]
     params = 11 * DENSE_LAYERS / 43 + EMBEDDING + 11 * EXPERTS_PER_LAYER / 4  # 19.76 B
     dense = 11 * DENSE_LAYERS / 43 + EMBEDDING
-    # per token and layer: mHC streams and mixed inputs, norms; q, normed q, output; 7 experts; bf16
-    tensors = 2 * (2 * 5 * 4096 + 2 * 4096 + 3 * 64 * 512 + 7 * (4096 + 3 * 2048))  # 438,272 bytes
-    scores = 2 * 64 * 5120 * 1.25  # the softmax over the window mask and CSA's entries: 819,200 bytes
+    # per token and layer: mHC streams and mixed inputs, norms; 7 experts; bf16
+    tensors = 2 * (2 * 5 * 4096 + 2 * 4096 + 7 * (4096 + 3 * 2048))  # 241,664 bytes
+    tensors += ATTENTION_PER_TOKEN  # the layer mix's attention tensors: 298,067 bytes
     streams = 2 * 4 * 4096
-    activations = 4 * 11 * streams * 5120 + (tensors + scores) * 5120  # full recompute, 4 in flight
+    # full recompute, 4 in flight; sparse attention: no scores kept, one CSA chunk's work while it runs
+    activations = 4 * 11 * streams * 5120 + tensors * 5120 + CSA_CHUNK
     assert stage0.label == "trainer stage 0 (ranks 0..3)"
     assert stage0.components_gb == pytest.approx(
         {
             "weights": params * 2 / 1e9,  # 39.52
             "gradients": params * 4 / 1e9,  # 79.04
             "optimizer": 12 * (dense / 4 + 11 * EXPERTS_PER_LAYER / 4) * 0.25 / 1e9,  # 54.68
-            "activations": activations / 1e9,  # 13.82
+            "activations": activations / 1e9,  # 10.98
             "overhead": 5.0,
         }
     )
-    assert stage0.total_gb == pytest.approx(192.06, abs=0.01) and stage0.fits
+    assert stage0.total_gb == pytest.approx(189.22, abs=0.01) and stage0.fits
 
 
 def test_a_kl_term_adds_the_reference_weights(dapo: Config) -> None:
     dapo.algo.kl_coef = 0.01
     stage0 = memory_plan(dapo).gpus[0]
     assert stage0.components_gb["reference_weights"] == stage0.components_gb["weights"]
-    assert stage0.total_gb == pytest.approx(192.06 + 39.52, abs=0.01)
+    assert stage0.total_gb == pytest.approx(189.22 + 39.52, abs=0.01)
 
 
 def test_last_stage_keeps_the_logits(dapo: Config) -> None:
     last = memory_plan(dapo).gpus[3]
-    tensors_and_scores = 2 * (2 * 5 * 4096 + 2 * 4096 + 3 * 64 * 512 + 7 * (4096 + 3 * 2048)) + 819_200
+    tensors = 2 * (2 * 5 * 4096 + 2 * 4096 + 7 * (4096 + 3 * 2048)) + ATTENTION_PER_TOKEN
     logits = 8 * 129280 * 5120  # fp32 logits and log-softmax of one micro batch
-    expected = 10 * 2 * 4 * 4096 * 5120 + tensors_and_scores * 5120 + logits
-    assert last.components_gb["activations"] == pytest.approx(expected / 1e9)  # 13.41
+    expected = 10 * 2 * 4 * 4096 * 5120 + tensors * 5120 + CSA_CHUNK + logits
+    assert last.components_gb["activations"] == pytest.approx(expected / 1e9)  # 10.58
 
 
 def test_engine_weights_in_the_served_format(dapo: Config) -> None:
@@ -158,7 +173,7 @@ def test_dapo_math_fits_the_mi355x(dapo: Config) -> None:
 def test_an_h100_cluster_is_refused_naming_the_override(dapo: Config) -> None:
     dapo.cluster.device = DeviceKind.h100
     trainer, engine = refusal(dapo)
-    assert "trainer stage 0 (ranks 0..3) needs 192.1 GB, a GPU has 80 GB" in trainer
+    assert "trainer stage 0 (ranks 0..3) needs 189.2 GB, a GPU has 80 GB" in trainer
     assert "gradients 79.0, optimizer 54.7, weights 39.5" in trainer
     assert "parallel.train.pipeline_parallel" in trainer and "run.force_memory_plan=true" in trainer
     assert "weights 71.3 GB leave no KV cache in the static budget 40.0 GB" in engine

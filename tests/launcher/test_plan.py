@@ -313,6 +313,19 @@ def test_reproducible_sampling_turns_on_deterministic_inference(kind):
 
 
 @pytest.mark.parametrize("kind", ["reference", "sglang"])
+def test_replays_make_the_engines_return_their_choices(kind):
+    cfg = Config()
+    cfg.parallel.rollout.engine = kind
+    flags = ("--enable-return-routed-experts", "--enable-return-indexer-topk")
+    assert not set(flags) & set(build_local_plan(cfg, RUN, base_env={})[0].argv)
+    cfg.algo.routing_replay = True
+    argv = build_local_plan(cfg, RUN, base_env={})[0].argv
+    assert flags[0] in argv and flags[1] not in argv
+    cfg.algo.indexer_replay = True
+    assert set(flags) <= set(build_local_plan(cfg, RUN, base_env={})[0].argv)
+
+
+@pytest.mark.parametrize("kind", ["reference", "sglang"])
 def test_engines_beyond_loopback_get_the_keys_file(kind):
     cfg = Config()
     cfg.parallel.rollout.engine = kind

@@ -217,6 +217,8 @@ def _loop_with(texts: list[str], answer: str = "7") -> RLLoop:
         tokenizer=SimpleNamespace(pad_token_id=0),
         clients=[Sample(0, [1, 2], [3], [-0.5], text, "stop", answer=answer) for text in texts],
         event_loop=asyncio.new_event_loop(),
+        renderer=None,  # data.chat_format=none: prompts as they are, responses graded whole
+        parser=None,
     )
     return loop
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from dsv4rl.checks.parallel import check_megatron_heads
 from dsv4rl.checks.problems import Add
-from dsv4rl.config.schema import Config, RolloutEngineKind, TrainBackend
+from dsv4rl.config.schema import ChatFormat, Config, RolloutEngineKind, TrainBackend
 from dsv4rl.model.release_config import release_key_problems, sglang_problems
+from dsv4rl.model.tokenizer_files import ARITH_CHARS, DEEPSEEK_V4, has_tokenizer, tokenizer_dir_problems
 from dsv4rl.topology import LOOPBACK, engine_nodes, on_one_machine
 
 NODE_ADDRS_FIX = (
@@ -123,6 +124,25 @@ def check_model_layout(cfg: Config, add: Add) -> None:
         check_megatron_heads(tensor_parallel, heads, config["o_groups"], cfg.model.path, add)
 
 
+def check_chat_tokenizer_files(cfg: Config, add: Add) -> None:
+    """The tokenizer a run loads from a directory (model.path's own wins) has DeepSeek-V4's chat tokens when
+    a chat format needs them, and agrees with the packaged one under model.tokenizer=deepseek_v4."""
+    m = cfg.model
+    chat = ChatFormat.deepseek_v4 in (cfg.data.chat_format, cfg.eval.chat_format if cfg.eval else None)
+    if m.path is not None and has_tokenizer(Path(m.path).expanduser()):
+        directory = Path(m.path).expanduser()
+    elif m.tokenizer not in (ARITH_CHARS, DEEPSEEK_V4) and Path(m.tokenizer).expanduser().is_dir():
+        directory = Path(m.tokenizer).expanduser()
+    else:
+        return  # arith_chars and the packaged tokenizer carry the chat tokens
+    for problem in tokenizer_dir_problems(directory, chat, m.tokenizer == DEEPSEEK_V4):
+        add(
+            f"{problem}: data.chat_format=deepseek_v4 and model.tokenizer=deepseek_v4 need DeepSeek-V4's "
+            "tokenizer; point model.path at a DeepSeek-V4 checkpoint, or use chat_format=none / "
+            "model.tokenizer=<that directory>"
+        )
+
+
 def check_paths(cfg: Config, add: Add) -> None:
     m = cfg.model
     if m.path is not None:
@@ -138,9 +158,10 @@ def check_paths(cfg: Config, add: Add) -> None:
                 "model directory"
             )
     tok = m.tokenizer
-    path_like = tok != "arith_chars" and tok != m.path and tok.startswith(("/", ".", "~"))
+    path_like = tok not in (ARITH_CHARS, DEEPSEEK_V4) and tok != m.path and tok.startswith(("/", ".", "~"))
     if path_like and not Path(tok).expanduser().is_dir():
         add(f"model.tokenizer {tok!r} does not exist: pass model.tokenizer=<tokenizer directory>")
+    check_chat_tokenizer_files(cfg, add)
     if cfg.data.path is not None and not Path(cfg.data.path).expanduser().is_file():
         add(
             f"data.path {cfg.data.path!r} does not exist (resolved: {Path(cfg.data.path).resolve()}): pass "

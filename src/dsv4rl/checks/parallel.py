@@ -6,7 +6,14 @@ Kept apart from the run settings because these are the rules a cluster recipe mo
 from __future__ import annotations
 
 from dsv4rl.checks.problems import Add
-from dsv4rl.config.schema import ClusterKind, CommBackend, Config, RolloutEngineKind, TrainBackend
+from dsv4rl.config.schema import (
+    AttentionImpl,
+    ClusterKind,
+    CommBackend,
+    Config,
+    RolloutEngineKind,
+    TrainBackend,
+)
 from dsv4rl.topology import engine_port, engine_port_layout, num_layers, num_routed_experts, pipeline_stages
 
 
@@ -31,6 +38,7 @@ def check_train_layout(cfg: Config, add: Add) -> None:
         parallel__train__expert_tensor_parallel=t.expert_tensor_parallel,
         parallel__train__context_parallel=t.context_parallel,
         parallel__train__recompute_granularity_layers=t.recompute_granularity_layers,
+        parallel__train__attention_query_chunk=t.attention_query_chunk,
     ):
         return
     world = t.nnodes * t.nproc_per_node
@@ -71,6 +79,12 @@ def check_train_layout(cfg: Config, add: Add) -> None:
             add(
                 f"the fsdp backend shards data only, but parallel.train has {', '.join(bad)}: set them to 1 "
                 "or use parallel.train.backend=megatron"
+            )
+        if t.attention == AttentionImpl.sparse:
+            add(
+                "parallel.train.attention=sparse is the megatron backend's attention; the fsdp backend runs "
+                "transformers' DeepSeek-V4 attention, which is dense: set parallel.train.attention=auto (or "
+                "dense), or parallel.train.backend=megatron"
             )
     if t.backend == TrainBackend.megatron:
         _check_megatron(cfg, add)

@@ -14,12 +14,15 @@ from dsv4rl.config.schema import (
     Config,
     EvalSet,
     GraderName,
+    LoggerKind,
     LRSchedule,
     OptimizerName,
     PauseMode,
     RolloutEngineKind,
     SamplingConfig,
+    WandbConfig,
 )
+from dsv4rl.data.chat_format import data_chat_settings, eval_chat_settings, settings_problems
 from dsv4rl.model.release_config import (
     ReleaseConfigError,
     release_keys,
@@ -145,6 +148,10 @@ def _longest_sequence(cfg: Config) -> tuple[int, str]:
     return cfg.data.max_prompt_len + new_tokens, key
 
 
+# An indexer that selects fewer entries than are visible needs this many heads to avoid exact ties
+MIN_SELECTING_INDEX_HEADS = 8
+
+
 def check_model(cfg: Config, add: Add) -> None:
     m, tiny = cfg.model, cfg.model.tiny
     if m.path is None:
@@ -183,13 +190,18 @@ def check_model(cfg: Config, add: Add) -> None:
             and tiny.csa_compress_rate >= 1
         ):
             needed = math.ceil(longest / tiny.csa_compress_rate)
-            if tiny.index_topk < needed:
+            # With few indexer heads, entries often score exactly 0 (every head's ReLU is 0), and
+            # torch.topk breaks such ties differently for different numbers of entries.
+            if tiny.index_topk < needed and tiny.index_n_heads < MIN_SELECTING_INDEX_HEADS:
                 add(
                     f"model.tiny.index_topk={tiny.index_topk} is below "
                     f"ceil(({cfg.data.max_prompt_len} prompt + "
                     f"{longest - cfg.data.max_prompt_len} new tokens) / csa_compress_rate "
-                    f"{tiny.csa_compress_rate}) = {needed}: the reference engine's cached decoding would no "
-                    f"longer equal a full forward; set model.tiny.index_topk={needed} or shorten "
+                    f"{tiny.csa_compress_rate}) = {needed} with {tiny.index_n_heads} indexer heads: "
+                    "zero-score ties would make the reference engine's cached decoding differ from a full "
+                    "forward; set "
+                    f"model.tiny.index_topk={needed}, or model.tiny.index_n_heads>="
+                    f"{MIN_SELECTING_INDEX_HEADS} (as model=tiny_dsv4_align), or shorten "
                     "data.max_prompt_len / max_new_tokens"
                 )
     else:
@@ -232,6 +244,11 @@ def check_data_reward_eval(cfg: Config, add: Add) -> None:
         add(f"data.path={d.path!r} must be a {' / '.join(DATA_SUFFIXES)} file")
     if d.max_prompt_len < 1:
         add(f"data.max_prompt_len must be >= 1 (got {d.max_prompt_len})")
+    for problem in settings_problems(data_chat_settings(d), "data"):
+        add(problem)
+    if cfg.eval is not None and eval_chat_settings(cfg) != data_chat_settings(d):  # its own settings
+        for problem in settings_problems(eval_chat_settings(cfg), "eval"):
+            add(problem)
     if d.name == "tiny_arith":
         if d.arith.max_operand < 0 or d.arith.max_answer < 0:
             add("data.arith.max_operand and max_answer must be >= 0")
@@ -295,6 +312,23 @@ def check_eval(cfg: Config, add: Add) -> None:
     _check_sampling("eval.sampling", e.sampling, add)
 
 
+def check_loggers(cfg: Config, add: Add) -> None:
+    """`logger`: metrics.jsonl is always written (jsonl listed), each tracker once; `tracker.wandb.*` only
+    matters with wandb listed, and its project then must not be empty."""
+    kinds = list(cfg.logger)
+    if LoggerKind.jsonl not in kinds:
+        add(f"logger={[k.value for k in kinds]} lacks jsonl: metrics.jsonl is always written, list it "
+            "(e.g. logger=[jsonl,tensorboard,wandb])")  # fmt: skip
+    repeated = sorted({k.value for k in kinds if kinds.count(k) > 1})
+    if repeated:
+        add(f"logger lists {repeated} more than once; list each of {', '.join(LoggerKind)} at most once")
+    if LoggerKind.wandb in kinds and not cfg.tracker.wandb.project:
+        add("tracker.wandb.project must not be empty with logger=[...,wandb] (default: dsv4rl)")
+    if LoggerKind.wandb not in kinds and cfg.tracker.wandb != WandbConfig():
+        add("tracker.wandb.* is set but logger does not list wandb: nothing would read it; add it "
+            "(logger=[jsonl,wandb]) or drop the tracker.wandb keys")  # fmt: skip
+
+
 def check_run(cfg: Config, add: Add) -> None:
     t, s, eng = cfg.train, cfg.sync, cfg.engine
     if t.steps < 1:
@@ -305,6 +339,7 @@ def check_run(cfg: Config, add: Add) -> None:
         add(f"train.checkpoint_every must be >= 0 (got {t.checkpoint_every}; 0: never)")
     if t.keep_checkpoints < 1:
         add(f"train.keep_checkpoints must be >= 1 (got {t.keep_checkpoints})")
+    check_loggers(cfg, add)
     if t.log_every < 1:
         add(f"train.log_every must be >= 1 (got {t.log_every})")
     if t.max_nonfinite_steps < 0:

@@ -16,9 +16,11 @@ from collections.abc import Callable
 
 from dsv4rl.checks import machine
 from dsv4rl.checks.estimate import check_estimate, check_memory_budget
+from dsv4rl.checks.numerics import check_numerics
 from dsv4rl.checks.parallel import check_comm, check_nodes_and_rollout, check_ports, check_train_layout
 from dsv4rl.checks.problems import Add
 from dsv4rl.checks.quant import check_checkpoint_format, check_quant
+from dsv4rl.checks.replay import check_replay
 from dsv4rl.checks.run import (
     GRADERS,
     LAYER_TYPES,
@@ -49,11 +51,13 @@ _CHECKS: list[Callable[[Config, Add], None]] = [
     machine.check_cluster_addresses,
     check_comm,
     check_algo,
+    check_replay,
     check_optim,
     check_model,
     check_data_reward_eval,
     check_run,
     check_quant,
+    check_numerics,
     check_ports,
     check_estimate,
 ]

@@ -291,7 +291,8 @@ def _unknown_key_message(full_key: str) -> str:
 def schema_type(full_key: str) -> Any:
     """The schema's type annotation for a dotted key (`algo.group_size` -> int); None if unknown."""
     node: Any = Config
-    for part in [p for p in full_key.split(".") if p]:
+    # `engine.numerics_features[0]`: a list's element is one more step into the list's type
+    for part in [p for p in re.sub(r"\[\d+\]", ".[]", full_key).split(".") if p]:
         node = _strip_optional(node)
         origin = typing.get_origin(node)
         if origin is dict:

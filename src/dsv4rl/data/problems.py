@@ -1,4 +1,5 @@
-"""The unit every data source yields: a prompt, the reference answer a grader compares with, an id."""
+"""The unit every data source yields: a prompt, the reference answer a grader compares with, an id, and
+once encoded the prompt's token ids."""
 
 from __future__ import annotations
 
@@ -10,3 +11,6 @@ class Problem:
     prompt: str  # text given to the policy (before any chat template)
     answer: str  # ground truth handed to the grader
     id: str  # stable identifier (logs, eval tables)
+    # The prompt as the model sees it, rendered in the recipe's chat format and tokenized once
+    # (`dsv4rl.data.stream.encode_problems`); None: not yet encoded (rollout encodes it then).
+    prompt_ids: tuple[int, ...] | None = None

@@ -7,13 +7,18 @@ state, so a run resumed from `state_dict()` draws exactly the batches the origin
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dsv4rl.config.schema import Config
+from dsv4rl.data.chat_format import PromptRenderer
 from dsv4rl.data.datasets import problem_source
 from dsv4rl.data.problems import Problem
+
+log = logging.getLogger(__name__)
 
 
 class PromptStream:
@@ -90,9 +95,45 @@ class PromptStream:
         self.epoch, self.position = epoch, position
 
 
-def build_prompt_stream(cfg: Config) -> PromptStream:
+@dataclass(frozen=True)
+class EncodedProblems:
+    kept: list[Problem]  # with their prompt ids, at most max_prompt_len tokens each
+    lengths: list[int]  # every problem's prompt length in tokens, in data-set order
+    dropped: int  # problems whose rendered prompt is longer than max_prompt_len
+
+
+def encode_problems(
+    problems: Sequence[Problem], renderer: PromptRenderer, max_prompt_len: int, batch: int = 1024
+) -> EncodedProblems:
+    """Render and tokenize every problem once; drop those over `max_prompt_len` tokens (as sent)."""
+    kept: list[Problem] = []
+    lengths: list[int] = []
+    for start in range(0, len(problems), batch):
+        chunk = [problems[i] for i in range(start, min(start + batch, len(problems)))]
+        for problem, ids in zip(chunk, renderer.encode([p.prompt for p in chunk]), strict=True):
+            lengths.append(len(ids))
+            if len(ids) <= max_prompt_len:
+                kept.append(replace(problem, prompt_ids=tuple(ids)))
+    return EncodedProblems(kept, lengths, len(lengths) - len(kept))
+
+
+def build_prompt_stream(cfg: Config, renderer: PromptRenderer | None = None) -> PromptStream:
     """The recipe's prompt stream: `data` picks the problems, `algo.prompts_per_step` the batch size,
-    `seed` and `data.shuffle` the order."""
-    return PromptStream(
-        problem_source(cfg.data, cfg.seed), cfg.algo.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle
-    )
+    `seed` and `data.shuffle` the order. With a `renderer` every prompt is encoded once, here, and
+    prompts longer than `data.max_prompt_len` tokens are left out (counted in the log)."""
+    problems = problem_source(cfg.data, cfg.seed)
+    if renderer is not None:
+        encoded = encode_problems(problems, renderer, cfg.data.max_prompt_len)
+        if not encoded.kept:
+            raise ValueError(
+                f"every one of the {len(encoded.lengths)} prompts of data.name={cfg.data.name} is longer "
+                f"than data.max_prompt_len={cfg.data.max_prompt_len} tokens as rendered (data.chat_format="
+                f"{cfg.data.chat_format}; shortest {min(encoded.lengths)}): raise data.max_prompt_len"
+            )
+        if encoded.dropped:
+            log.info(
+                "%d of %d prompts are longer than data.max_prompt_len=%d tokens and left out",
+                encoded.dropped, len(encoded.lengths), cfg.data.max_prompt_len,
+            )  # fmt: skip
+        problems = encoded.kept
+    return PromptStream(problems, cfg.algo.prompts_per_step, seed=cfg.seed, shuffle=cfg.data.shuffle)

@@ -40,9 +40,16 @@ class ServerArgs:
     load_format: str = "auto"
     enable_deterministic_inference: bool = False  # sampling_seed is honoured only with it, as in SGLang
     enable_memory_saver: bool = False  # release_memory_occupation frees memory only with it, as in SGLang
+    enable_return_routed_experts: bool = False  # return_routed_experts is answered only with it, as in SGLang
+    enable_return_indexer_topk: bool = False  # return_indexer_topk likewise
     # The reference engine's own mode (no SGLang flag): end_weight_update re-lays out the tensors a session
     # did not re-send, as SGLang's post-processing does on ROCm (dsv4rl.quant.sglang_moe).
     emulate_non_idempotent_postprocess: bool = False
+    # The reference engine's own rounding mode (not SGLang flags; docs/numerics.md): `exact` float32, or
+    # `sglang`, SGLang 0.5.23's rounding points; `numerics_features` narrows them (comma-separated names).
+    numerics: str = "exact"
+    numerics_features: str | None = None
+    enable_fp32_lm_head: bool = False  # SGLang's flag: fp32 logits (with numerics=sglang, no bf16 rounding)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,11 +97,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="let /release_memory_occupation free the weights and KV (refused without it)",
     )
     parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="answer return_routed_experts with each forwarded position's experts (SGLang's meaning)",
+    )
+    parser.add_argument(
+        "--enable-return-indexer-topk",
+        action="store_true",
+        help="answer return_indexer_topk with each forwarded position's CSA indexer top-k (SGLang's meaning)",
+    )
+    parser.add_argument(
         "--emulate-non-idempotent-postprocess",
         action="store_true",
         help="the reference engine's own mode, not an SGLang flag: end_weight_update corrupts the routed-"
         "expert and FP8-linear weights the session did not re-send (as SGLang re-shuffles them on ROCm); "
         "a failed update in a session, or such a close, leaves the engine refusing /generate until restarted",
+    )
+    parser.add_argument(
+        "--numerics",
+        default="exact",
+        choices=["exact", "sglang"],
+        help="the reference engine's own mode, not an SGLang flag: `sglang` computes with SGLang 0.5.23's "
+        "DeepSeek-V4 rounding points (bf16 activations, FP8 KV cache, FP8 activations of FP8 linears, TF32 "
+        "mHC mix, bf16 logits) on the float32 model",
+    )
+    parser.add_argument(
+        "--numerics-features",
+        default=None,
+        help="with --numerics sglang: only these rounding points, comma-separated (default: every one that "
+        "applies to the checkpoint)",
+    )
+    parser.add_argument(
+        "--enable-fp32-lm-head",
+        action="store_true",
+        help="SGLang's flag: fp32 LM head output (with --numerics sglang the logits are not rounded to bf16)",
     )
     parser.add_argument(
         "--config", default=None, help="YAML file of flags (keys as dest names), as in SGLang"

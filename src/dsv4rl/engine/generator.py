@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from dsv4rl.config.schema import PauseMode, choice
+from dsv4rl.engine.capture import ChoiceCapture
 from dsv4rl.engine.sampling import SamplingParams, edit_logits, sample
 from dsv4rl.faults import heartbeat
 from dsv4rl.wire.seed import mix_seed
@@ -48,6 +49,10 @@ class GenRequest:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     return_logprob: bool = False
     logprob_start_len: int = -1
+    return_routed_experts: bool = False  # SGLang's return_routed_experts / routed_experts_start_len
+    routed_experts_start_len: int = 0
+    return_indexer_topk: bool = False
+    captured: dict[str, list] = field(default_factory=dict)  # choices per forward (dsv4rl.engine.capture)
     internal: bool = False  # health checks: no rid bookkeeping in the seed counter
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -105,8 +110,10 @@ class Generator:
         context_length: int | None = None,
         decode_text: Callable[[list[int], bool], str] | None = None,
         deterministic: bool = False,
+        capture: ChoiceCapture | None = None,
     ) -> None:
         self.model = model
+        self.capture = capture  # --enable-return-routed-experts / --enable-return-indexer-topk
         self.deterministic = deterministic
         self.max_batch_size = max_batch_size
         self.random_seed = random_seed
@@ -355,7 +362,12 @@ class Generator:
                     self._cond.notify_all()
 
     def _forward(
-        self, input_ids: torch.Tensor, cache: DynamicCache, keep: int = 1
+        self,
+        batch: list[GenRequest],
+        input_ids: torch.Tensor,
+        cache: DynamicCache,
+        keep: int = 1,
+        prefill: bool = False,
     ) -> tuple[torch.Tensor, str]:
         """Logits of the last `keep` positions, and the weight version they were computed with."""
         with self._model_lock, torch.no_grad():
@@ -363,6 +375,8 @@ class Generator:
                 input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=keep
             )
             version = self.weight_version
+            if self.capture is not None:
+                self.capture.after_forward(batch, prefill)
         self.steps += 1
         return output.logits.float(), version
 
@@ -378,7 +392,7 @@ class Generator:
             (r.logprob_start_len for r, need in zip(batch, need_input, strict=True) if need), default=None
         )
         keep = 1 if first is None else max(length - first, 1)
-        logits, version = self._forward(ids, cache, keep)
+        logits, version = self._forward(batch, ids, cache, keep, prefill=True)
         for row, request in enumerate(batch):
             if need_input[row]:
                 request.input_logprobs = self._input_logprobs(
@@ -390,7 +404,7 @@ class Generator:
             if not batch:
                 return
             ids = torch.tensor([[r.output_ids[-1]] for r in batch], dtype=torch.long)
-            logits, version = self._forward(ids, cache)
+            logits, version = self._forward(batch, ids, cache)
             self._step(batch, logits[:, -1], version)
 
     def _control(self, batch: list[GenRequest]) -> list[GenRequest]:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dsv4rl.engine.capture import ChoiceCapture
 from dsv4rl.engine.generator import GenRequest
 from dsv4rl.engine.sampling import TOP_K_ALL, SamplingParams
 
@@ -293,6 +294,7 @@ def parse_generate(
     for start in start_len:
         if not isinstance(start, int) or isinstance(start, bool):
             raise _type_error(start, "i64")
+    routed, routed_start, indexer = _capture_fields(body)
     rid = body.get("rid")
     if n == 1 and isinstance(rid, list):
         if not batched or len(rid) != count:
@@ -318,6 +320,11 @@ def parse_generate(
                 f"logprob_start_len ({start_len[index]}) is greater than the number of input tokens "
                 f"({len(prompt)})."
             )
+        if routed and routed_start > len(prompt):
+            raise RangeError(
+                f"recv_req.routed_experts_start_len={routed_start} is higher than the number of input tokens "
+                f"len(req.origin_input_ids)={len(prompt)}. Please use a smaller routed_experts_start_len."
+            )
         params, _ = parsed[index]
         for _ in range(n):
             sample = params if own_params else SamplingParams(**vars(params))
@@ -329,6 +336,9 @@ def parse_generate(
                     rid=rids[index] if n == 1 else uuid.uuid4().hex,
                     return_logprob=bool(return_logprob[index]),
                     logprob_start_len=start_len[index],
+                    return_routed_experts=routed,
+                    routed_experts_start_len=routed_start,
+                    return_indexer_topk=indexer,
                 )
             )
     return GenerateCall(
@@ -337,6 +347,24 @@ def parse_generate(
         stream=bool(body.get("stream", False)),
         return_prompt_token_ids=bool(body.get("return_prompt_token_ids", False)),
     )
+
+
+def _capture_fields(body: dict) -> tuple[bool, int, bool]:
+    """return_routed_experts, routed_experts_start_len, return_indexer_topk: one value for the whole
+    request (SGLang's GenerateReqInput, srt/managers/io_struct.py:264-269), the start checked as SGLang's
+    scheduler does (srt/managers/scheduler.py:3300-3313)."""
+    routed = body.get("return_routed_experts")
+    start = body.get("routed_experts_start_len")
+    indexer = body.get("return_indexer_topk")
+    routed = False if routed is None else _bool(routed)
+    start = 0 if start is None else _i64(start)
+    indexer = False if indexer is None else _bool(indexer)
+    if routed and start < 0:
+        raise RangeError(
+            f"recv_req.routed_experts_start_len={start} is lower than 0. "
+            "Please use a non-negative routed_experts_start_len."
+        )
+    return routed, start, indexer
 
 
 def _output_text(request: GenRequest, decode: Callable[[list[int], bool], str]) -> str:
@@ -363,8 +391,10 @@ def build_response(
     decode: Callable[[list[int], bool], str] | None,
     final: bool = True,
     return_prompt_token_ids: bool = False,
+    capture: ChoiceCapture | None = None,
 ) -> dict:
-    """The §4.2 response object of one sequence (a streaming chunk when `final` is False)."""
+    """The §4.2 response object of one sequence (a streaming chunk when `final` is False); `capture` adds
+    the routed experts / indexer top-k the request asked for to the final answer."""
     spans = [{"version": v, "start": s, "end": e} for v, s, e in request.weight_spans]
     version = spans[-1]["version"] if spans else current_version
     reason = request.finish_reason if final else None
@@ -404,6 +434,8 @@ def build_response(
             else []
         )
     end = request.finished_at if (final and request.finished_at) else time.monotonic()
+    if final and capture is not None and not queued_abort:
+        meta.update(capture.meta_fields(request))
     meta["e2e_latency"] = round(end - request.created, 6)
     meta["response_sent_to_client_ts"] = time.time()
     out: dict[str, Any] = {}

@@ -137,6 +137,7 @@ def create_app(model_path: str, *, receiver: Any = None, **kwargs: Any) -> FastA
                 decode=decode,
                 final=final,
                 return_prompt_token_ids=call.return_prompt_token_ids,
+                capture=engine.generator.capture,
             )
 
         if call.stream:

@@ -320,6 +320,11 @@ def load_contract(path: Path = CONTRACT_FILE) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
+# /generate keys SGLang takes through io_struct's GenerateReqInput though its api/v1 gate does not list them
+# (srt/managers/io_struct.py:264-269; sglang/api/v1/api_types.py:236-281 has only routed_experts_start_len)
+GATE_FREE_GENERATE_KEYS = ("return_routed_experts", "return_indexer_topk")
+
+
 def request_problems(
     contract: dict, method: str, path: str, body: Any = None, query: dict | None = None
 ) -> list[str]:
@@ -339,7 +344,11 @@ def request_problems(
     if not isinstance(body, dict):
         return problems
     if path == "/generate":
-        fields = contract["generate_request"]
+        # The api/v1 gate checks its own fields and ignores other keys; FastAPI then builds io_struct's
+        # GenerateReqInput, which alone takes return_routed_experts / return_indexer_topk.
+        io_struct = contract["bodies"]["GenerateReqInput"]
+        fields = {k: io_struct[k] for k in GATE_FREE_GENERATE_KEYS if k in io_struct}
+        fields.update(contract["generate_request"])
         params = body.get("sampling_params") or {}
         for item in params if isinstance(params, list) else [params]:
             for key in item:

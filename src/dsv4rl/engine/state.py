@@ -27,8 +27,10 @@ from typing import Any
 import torch
 
 from dsv4rl.engine.args import ServerArgs
+from dsv4rl.engine.capture import ChoiceCapture
 from dsv4rl.engine.generator import Generator, GenRequest
 from dsv4rl.engine.memory import EngineMemory
+from dsv4rl.engine.numerics import install_numerics
 from dsv4rl.engine.sampling import SamplingParams
 from dsv4rl.engine.weight_store import DeepseekWeights
 from dsv4rl.model.naming import CheckpointKind, checkpoint_kind
@@ -50,6 +52,15 @@ RELAID_OUT = (CheckpointKind.routed_expert, CheckpointKind.fp8_linear)  # what S
 RESTART = "restart the engine (`dsv4rl train ... resume=true` starts new ones)"
 
 
+def choice_capture(model: torch.nn.Module, args: ServerArgs) -> ChoiceCapture | None:
+    """The routed-experts / indexer-top-k capture the launch flags ask for (none: no hooks at all)."""
+    if not (args.enable_return_routed_experts or args.enable_return_indexer_topk):
+        return None
+    return ChoiceCapture(
+        model, routed=args.enable_return_routed_experts, indexer=args.enable_return_indexer_topk
+    )
+
+
 class Engine:
     """Everything a request handler needs: model, tokenizer, generator, status and the weight session."""
 
@@ -63,6 +74,7 @@ class Engine:
         dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
         self.model, stored = load_native_checkpoint(args.model_path, dtype)
         self.weights = DeepseekWeights(self.model, stored, *checkpoint_description(args.model_path))
+        self.numerics = install_numerics(args, self.weights)  # SGLang's rounding points (--numerics sglang)
         self.tokenizer = None
         if not args.skip_tokenizer_init:
             from transformers import AutoTokenizer
@@ -77,6 +89,7 @@ class Engine:
             context_length=self.context_length,
             decode_text=self.decode if self.tokenizer is not None else None,
             deterministic=args.enable_deterministic_inference,
+            capture=choice_capture(self.model, args),
         )
         self.memory = EngineMemory(self.weights, self.generator, memory_saver=args.enable_memory_saver)
         self.generator.admission = self.refusal  # nothing runs on released memory or spent weights

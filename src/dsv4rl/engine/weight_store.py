@@ -240,7 +240,15 @@ class DeepseekWeights(HeldWeights):
         # The model's parameters and buffers by name, made once: state_dict() walks every module, a large
         # share of a small model's load. Release and restore swap a parameter's data, never the parameter.
         self._model_state = model.state_dict(keep_vars=True)
+        # What the forward computes with, from a tensor's dequantized values (by native name); None: those
+        # values (`engine.numerics=sglang` holds bf16 where SGLang does, dsv4rl.model.sglang_numerics)
+        self.value_rule: Callable[[str, torch.Tensor], torch.Tensor] | None = None
         super().__init__(stored, self._dequantize_into_model, served)
+
+    def refresh(self) -> None:
+        """Write every held tensor into the forward model again (after `value_rule` changed)."""
+        with self.lock:
+            self._dequantize_into_model(self.state(), list(self.state()))
 
     @torch.no_grad()
     def _dequantize_into_model(self, held: Mapping[str, torch.Tensor], changed: Iterable[str]) -> None:
@@ -251,7 +259,10 @@ class DeepseekWeights(HeldWeights):
             if name.startswith("mtp."):
                 continue  # the transformers model has no MTP block
             scale = held.get(scale_name(name)) if name.endswith(".weight") else None
-            copy_native_into(state, name, dequantize(held[name], scale, self.block, dtype))
+            value = dequantize(held[name], scale, self.block, dtype)
+            if self.value_rule is not None:
+                value = self.value_rule(name, value)
+            copy_native_into(state, name, value)
 
     def nbytes(self) -> int:
         """The stored tensors plus the float model the forward runs on."""

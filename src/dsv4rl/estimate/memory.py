@@ -41,7 +41,21 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from dsv4rl.config.schema import Config, QuantMode, RecomputeMode, RolloutEngineKind, TrainBackend
+from dsv4rl.config.schema import (
+    AttentionImpl,
+    Config,
+    QuantMode,
+    RecomputeMode,
+    RolloutEngineKind,
+    TrainBackend,
+)
+from dsv4rl.estimate.attention import (
+    AttentionShape,
+    dense_score_bytes_per_token,
+    per_token_bytes,
+    release_layer_types,
+    sparse_chunk_bytes,
+)
 from dsv4rl.estimate.devices import GB, device_spec
 from dsv4rl.estimate.params import (
     DTYPE_BYTES,
@@ -59,7 +73,6 @@ MAIN_GRAD_BYTES = 4
 MAIN_PARAM_BYTES, MAIN_PARAM_REMAINDER_BYTES = 4, 2
 ADAM_MOMENT_BYTES = 8  # exp_avg and exp_avg_sq in fp32
 LOGITS_BYTES_PER_VOCAB = 8  # fp32 logits and their log-softmax
-CSA_RATIO = 4  # compressed-sparse attention's compression: sequence / 4 extra keys
 
 
 class GpuRole(StrEnum):
@@ -110,23 +123,47 @@ def micro_batches_in_flight(stage: int, pipeline: int, micro_batches: int) -> in
 
 @dataclass(frozen=True)
 class LayerActivations:
-    """Bytes one decoder layer keeps for backward, per token, without recompute."""
+    """Bytes one decoder layer keeps for backward, per token, without recompute; and what one layer's
+    sparse attention needs while it runs (one query chunk's work, bytes, not per token)."""
 
     tensors: float
-    scores: float  # the attention's softmax over all keys
+    scores: float  # the dense attention's scores and biases (0 with the sparse form: chunks are rebuilt)
     streams: float  # the layer's input (what full recompute keeps)
+    transient: float = 0.0  # one layer's sparse-attention chunk, forward or backward
 
 
-def layer_activations(shape: ModelShape, seq_len: int, tp: int, value_bytes: int) -> LayerActivations:
+def attention_shape(shape: ModelShape) -> AttentionShape:
+    """The model's attention geometry: its heads and sizes, DeepSeek-V4's window, ratios and indexer."""
+    return AttentionShape(hidden=shape.hidden, heads=shape.heads, head_dim=shape.head_dim)
+
+
+def layer_activations(
+    shape: ModelShape,
+    seq_len: int,
+    tp: int,
+    value_bytes: int,
+    attention: AttentionImpl = AttentionImpl.sparse,
+    query_chunk: int = 256,
+) -> LayerActivations:
+    """The layer mix's average (DeepSeek-V4's sliding, CSA and HCA layers) of what a layer keeps; the
+    attention's part from `estimate/attention.py` (measured per layer type by bench/attention_memory.py)."""
     h = shape.hidden
     replicated = 2 * (shape.hc_mult + 1) * h + 2 * h
-    attention = 3 * shape.heads * shape.head_dim
     experts = (shape.experts_per_token + shape.shared_experts) * (h + 3 * shape.moe_intermediate)
-    keys = seq_len * (1 + 1 / CSA_RATIO)
+    geometry = attention_shape(shape)
+    types = release_layer_types(shape.layers)
+    attention_tensors = sum(per_token_bytes(geometry, t, value_bytes, tp) for t in types) / len(types)
+    if attention == AttentionImpl.dense:
+        scores = sum(dense_score_bytes_per_token(geometry, t, seq_len, tp) for t in types) / len(types)
+        transient = 0.0
+    else:
+        scores = 0.0
+        transient = max(sparse_chunk_bytes(geometry, t, seq_len, query_chunk, tp) for t in set(types))
     return LayerActivations(
-        tensors=value_bytes * (replicated + (attention + experts) / tp),
-        scores=value_bytes * shape.heads / tp * keys,
+        tensors=value_bytes * (replicated + experts / tp) + attention_tensors,
+        scores=scores,
         streams=value_bytes * shape.hc_mult * h,
+        transient=transient,
     )
 
 
@@ -148,7 +185,7 @@ def activation_bytes(
         kept = in_flight * layers * layer.tensors * tokens + layer.scores * tokens
     else:
         kept = in_flight * layers * full_layer
-    return kept + in_flight * logits_per_token * tokens
+    return kept + layer.transient + in_flight * logits_per_token * tokens
 
 
 def engine_weights_gb(shape: ModelShape, cfg: Config) -> float:
@@ -175,6 +212,8 @@ def _train_fixes(cfg: Config) -> tuple[str, ...]:
         )
     if t.recompute != RecomputeMode.full:
         fixes.append("full activation recompute (parallel.train.recompute=full)")
+    if t.backend == TrainBackend.megatron and t.attention == AttentionImpl.dense:
+        fixes.append("the sparse attention, linear in the sequence length (parallel.train.attention=sparse)")
     fixes.append("shorter micro batches (train.micro_batch_size, data.max_prompt_len, max_new_tokens)")
     return tuple(fixes)
 
@@ -212,8 +251,8 @@ def _trainer_parts(cfg: Config, shape: ModelShape) -> list[tuple[StageParams | N
     seq_len = cfg.data.max_prompt_len + cfg.algo.sampling.max_new_tokens
     logits = LOGITS_BYTES_PER_VOCAB * shape.vocab
     world = t.nnodes * t.nproc_per_node
-    if t.backend == TrainBackend.fsdp:
-        layer = layer_activations(shape, seq_len, 1, value_bytes)
+    if t.backend == TrainBackend.fsdp:  # transformers' attention: dense
+        layer = layer_activations(shape, seq_len, 1, value_bytes, AttentionImpl.dense)
         gathered = 2 * (shape.dense_params_per_layer + shape.expert_params_per_layer) * value_bytes
         acts = activation_bytes(
             layer, shape.layers, tokens, 1, t.recompute, t.recompute_granularity_layers, logits
@@ -230,7 +269,10 @@ def _trainer_parts(cfg: Config, shape: ModelShape) -> list[tuple[StageParams | N
         return [(None, components, {"params_b": shape.total_params / world / 1e9})]
     dp = data_parallel_size(cfg)
     expert_dp = max(1, world // (t.pipeline_parallel * t.expert_parallel * t.expert_tensor_parallel))
-    layer = layer_activations(shape, seq_len, t.tensor_parallel, value_bytes)
+    attention = AttentionImpl.dense if t.attention == AttentionImpl.dense else AttentionImpl.sparse
+    layer = layer_activations(
+        shape, seq_len, t.tensor_parallel, value_bytes, attention, t.attention_query_chunk
+    )
     micro = _micro_batches(cfg, dp)
     offloaded = t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0
     opt_bytes = optimizer_bytes_per_param(t.precision_aware_optimizer, t.optimizer_cpu_offload)
@@ -262,6 +304,7 @@ def _trainer_parts(cfg: Config, shape: ModelShape) -> list[tuple[StageParams | N
             "tokens_per_micro_batch": tokens,
             "optimizer_on_cpu_gb": optimizer * offloaded / GB,
             "recompute": t.recompute.value,
+            "attention": attention.value,
         }
         parts.append((sp, components, details))
     return parts

@@ -1,7 +1,8 @@
 """Training's own eval: every `eval.every_steps` steps, right after the weight sync, rank 0 samples the
 recipe's eval set on the rollout engines (which now hold that step's weights) and the step's line of
 metrics.jsonl gets `eval/pass@k` (the recipe's `eval.k`), `eval/avg@n`, `eval/maj@n`,
-`eval/truncation_ratio`, `eval/response_len_mean`, and the grading's `eval_grader_timeouts`,
+`eval/truncation_ratio`, `eval/response_len_mean` (with a chat format's split, `eval/no_answer_fraction`,
+`eval/reasoning_len_mean`, `eval/answer_len_mean`), and the grading's `eval_grader_timeouts`,
 `eval_grader_errors`, `eval_grader_restarts` (counts, kept out of `eval/` and its score plot); the full
 report goes to `<run.dir>/eval/step_<N>.json`. The grader runs in its own worker pool (`eval_grader`),
 so a response that would take a grader minutes costs `reward.timeout_s`, not the step.
@@ -17,17 +18,20 @@ from typing import Any
 from dsv4rl.config.schema import Config
 from dsv4rl.eval.data import eval_problems
 from dsv4rl.eval.run import eval_grader, evaluate_on_engines, write_report
+from dsv4rl.eval.weights import training_weights
 from dsv4rl.wire.engine_api import EngineAPI
 
 __all__ = ["PeriodicEval", "eval_metrics"]
 
 EVAL_SEED_OFFSET = 7_777_777  # eval samples never share seeds with the step's rollouts
+SPLIT_KEYS = ("no_answer_fraction", "reasoning_len_mean", "answer_len_mean")
 
 
 def eval_metrics(report: dict[str, Any], ks: Sequence[int]) -> dict[str, float | None]:
     """The report's numbers that go into metrics.jsonl, under `eval/`."""
     n = report["samples_per_problem"]
     keys = [f"pass@{k}" for k in ks] + [f"avg@{n}", f"maj@{n}", "truncation_ratio", "response_len_mean"]
+    keys += [key for key in SPLIT_KEYS if key in report]  # data.chat_format=deepseek_v4's split
     metrics: dict[str, float | None] = {f"eval/{key}": report[key] for key in keys}  # time: time_eval_s
     grading = report.get("grading")
     if grading is not None:
@@ -59,6 +63,7 @@ class PeriodicEval:
             self.cfg, self.problems, self.clients, self.tokenizer, self.grader, self.event_loop, seed
         )
         report["step"] = step
+        report["weights"] = training_weights(self.directory.parent, step)
         write_report(report, self.directory, f"step_{step:08d}.json")
         return eval_metrics(report, self.ks)
 

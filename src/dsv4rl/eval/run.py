@@ -2,7 +2,8 @@
 the grader's pool, score them, and build the report (`dsv4rl eval`, and training's periodic eval).
 
 The report is a plain dict, written as JSON: the headline scores at its top level (`pass@1`, `pass@2`,
-..., `avg@n`, `maj@n`, `truncation_ratio`, `response_len_mean`), then what was evaluated and how, where
+..., `avg@n`, `maj@n`, `truncation_ratio`, `response_len_mean`), then what was evaluated and how (with
+`chat_format=deepseek_v4`: `no_answer_fraction`, `reasoning_len_mean`, `answer_len_mean`), where
 the time went, the per-problem table, and the problems that could not be scored (saved responses with
 unknown ids, problems without responses).
 """
@@ -17,7 +18,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from dsv4rl.config.schema import Config, EvalConfig
+from dsv4rl.config.schema import ChatFormat, Config, EvalConfig
+from dsv4rl.data.chat_format import PromptRenderer, eval_chat_settings
+from dsv4rl.data.chat_response import ResponseParser, response_split_metrics, split_saved_response
 from dsv4rl.data.problems import Problem
 from dsv4rl.eval.scores import ProblemResult, problem_row, score_problems
 from dsv4rl.reward.graders import DEFAULT_MAX_ERROR_FRACTION, Graded, Grader, get_grader, grade_responses
@@ -53,10 +56,13 @@ def grade_results(
     grader: Grader,
     samples: Sequence[Sequence[Sample]] | None = None,
     max_error_fraction: float = DEFAULT_MAX_ERROR_FRACTION,
+    answer_parts: Sequence[Sequence[str | None]] | None = None,
 ) -> tuple[list[ProblemResult], float, Graded]:
     """Grade every response and read its final answer (one pool round for all of them) -> results,
-    the seconds grading took, and the grading's timeouts and errors."""
-    flat = [text for texts in responses for text in texts]
+    the seconds grading took, and the grading's timeouts and errors. `answer_parts` (a chat format's
+    split): what the grader reads instead of the whole response; None there, no answer (incorrect)."""
+    graded_texts = answer_parts if answer_parts is not None else responses
+    flat = [text for texts in graded_texts for text in texts]
     answers = [p.answer for p, texts in zip(problems, responses, strict=True) for _ in texts]
     start = time.monotonic()
     graded = grade_responses(grader, flat, answers, answers=True, max_error_fraction=max_error_fraction)
@@ -114,17 +120,26 @@ def evaluate_on_engines(
 ) -> dict[str, Any]:
     """`cfg.eval.samples_per_problem` samples of every problem from the engines, graded and scored."""
     e = cfg.eval
+    renderer = PromptRenderer(tokenizer, eval_chat_settings(cfg))
     start = time.monotonic()
     samples = event_loop.run_until_complete(
-        generate_samples(clients, problems, tokenizer, e.samples_per_problem, e.sampling, seed=seed)
+        generate_samples(
+            clients, problems, tokenizer, e.samples_per_problem, e.sampling, seed=seed, renderer=renderer
+        )
     )
     generate_s = time.monotonic() - start
     by_problem = [
         samples[i * e.samples_per_problem : (i + 1) * e.samples_per_problem] for i in range(len(problems))
     ]
     responses = [[s.response_text for s in group] for group in by_problem]
+    answer_parts, split = None, {}
+    if renderer.settings.format == ChatFormat.deepseek_v4:  # graders read the answer part
+        parser = ResponseParser(renderer)
+        parts = [[parser.parse(s.response_ids, s.response_text) for s in group] for group in by_problem]
+        answer_parts = [[part.answer for part in group] for group in parts]
+        split = response_split_metrics([part for group in parts for part in group])
     results, grade_s, graded = grade_results(
-        problems, responses, grader, by_problem, cfg.reward.max_error_fraction
+        problems, responses, grader, by_problem, cfg.reward.max_error_fraction, answer_parts
     )
     return build_report(
         e,
@@ -132,6 +147,9 @@ def evaluate_on_engines(
         {"generate": generate_s, "grade": grade_s},
         True,
         graded,
+        chat_format=renderer.settings.format.value,
+        thinking=renderer.settings.thinking,
+        **split,
         engines=[getattr(c, "base_url", str(c)) for c in clients],
         unknown_ids=[],
         missing=[],
@@ -168,9 +186,11 @@ def evaluate_responses(
     path: Path,
     grader: Grader,
     max_error_fraction: float = DEFAULT_MAX_ERROR_FRACTION,
+    chat_format: ChatFormat = ChatFormat.none,
 ) -> dict[str, Any]:
     """Grade saved generations. Ids must match the data set's; unknown ids and problems without
-    responses are listed in the report (`unknown_ids`, `missing`), never dropped silently."""
+    responses are listed in the report (`unknown_ids`, `missing`), never dropped silently. With
+    `chat_format=deepseek_v4` a response that closes a thinking block is graded on what follows it."""
     rows = read_responses(path)
     known = {p.id: p for p in problems}
     given: dict[str, list[str]] = {}
@@ -194,15 +214,19 @@ def evaluate_responses(
             f"{path}: problems have different numbers of responses ({counts}); pass@k needs the same n "
             "for every problem"
         )
-    results, grade_s, grading = grade_results(
-        graded, [given[p.id] for p in graded], grader, None, max_error_fraction
-    )
+    texts = [given[p.id] for p in graded]
+    answer_parts, split = None, {}
+    if chat_format == ChatFormat.deepseek_v4:
+        answer_parts = [[split_saved_response(text)[1] for text in group] for group in texts]
+        split = {"chat_format": chat_format.value}
+    results, grade_s, grading = grade_results(graded, texts, grader, None, max_error_fraction, answer_parts)
     return build_report(
         cfg,
         results,
         {"grade": grade_s},
         False,
         grading,
+        **split,
         responses_file=str(path),
         unknown_ids=unknown,
         missing=missing,

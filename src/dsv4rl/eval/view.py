@@ -7,6 +7,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from dsv4rl.eval.weights import describe_weights
+
 PROBLEM_ROWS = 40  # the rest stays in the JSON report
 
 
@@ -24,7 +26,14 @@ def render_eval(report: dict[str, Any], console: Console, report_path: str | Non
     scores.add_column("value", justify="right")
     for key in headline_keys(report):
         scores.add_row(key, f"{report[key]:.4f}")
-    for key, label in (("truncation_ratio", "truncated"), ("response_len_mean", "mean response tokens")):
+    numbers = (
+        ("truncation_ratio", "truncated"),
+        ("response_len_mean", "mean response tokens"),
+        ("no_answer_fraction", "thinking never closed (no answer)"),  # chat_format=deepseek_v4's split
+        ("reasoning_len_mean", "mean reasoning tokens"),
+        ("answer_len_mean", "mean answer tokens"),
+    )
+    for key, label in numbers:
         if report.get(key) is not None:
             scores.add_row(label, f"{report[key]:.4g}")
     console.print(scores)
@@ -48,6 +57,7 @@ def render_eval(report: dict[str, Any], console: Console, report_path: str | Non
         else f"saved responses ({report.get('responses_file')})"
     )
     console.print(f"grader {report['grader']}, {how}; {timing}")
+    console.print(f"weights: {describe_weights(report.get('weights'))}", soft_wrap=True)
     grading = report.get("grading") or {}
     if grading.get("timeouts") or grading.get("errors"):
         types = ", ".join(f"{kind} x{count}" for kind, count in grading.get("error_types", {}).items())

@@ -11,15 +11,15 @@ import argparse
 import asyncio
 import logging
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from dsv4rl.config.compose import load_config_file
 from dsv4rl.eval.data import eval_problems
 from dsv4rl.eval.run import eval_grader, evaluate_on_engines, write_report
+from dsv4rl.eval.weights import scored_weights
 from dsv4rl.faults import heartbeat
 from dsv4rl.faults.child import child_process
-from dsv4rl.model.tiny import load_tokenizer
+from dsv4rl.model.tiny import run_tokenizer
 from dsv4rl.rollout.engines import engine_clients, freeze_engines_gc, wait_for_engines
 from dsv4rl.rollout.generate import rollout_seed
 
@@ -34,10 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     run_dir = Path(cfg.run.dir)
-    model_path = cfg.model.path or str(run_dir / "model")
-    tokenizer = load_tokenizer(
-        cfg.model if cfg.model.path is None else replace(cfg.model, tokenizer=model_path)
-    )
+    tokenizer = run_tokenizer(cfg.model)
     problems = eval_problems(cfg)
     grader = eval_grader(cfg)
     clients = engine_clients(cfg)
@@ -52,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         seed = rollout_seed(cfg.seed, 0) if cfg.engine.reproducible_sampling else None
         heartbeat.enter("eval")
         report = evaluate_on_engines(cfg, problems, clients, tokenizer, grader, event_loop, seed)
+        report["weights"] = scored_weights(cfg.model.path, run_dir)  # which weights the engines served
         path = write_report(report, run_dir)
         log.info("eval %s: pass@1 %.4f, report %s", cfg.eval.name, report["pass@1"], path)
     finally:

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsv4rl.config.schema import Config, ProcessRole, RolloutEngineKind, SyncTransport, Task
+from dsv4rl.config.schema import Config, EngineNumerics, ProcessRole, RolloutEngineKind, SyncTransport, Task
 from dsv4rl.launcher.engine_python import engine_python
 from dsv4rl.quant import sglang_moe
 from dsv4rl.rollout.engine_keys import engine_keys_file, engines_need_keys
@@ -170,13 +170,28 @@ def _with_threads(env: dict[str, str], threads: int) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------------- commands
 def _shared_engine_flags(cfg: Config, run_dir: Path) -> list[str]:
-    """Flags both engine kinds take with SGLang's meaning: reproducible sampling, the run's keys, and when
-    colocated the memory saver (without it SGLang's /release_memory_occupation frees nothing)."""
+    """Flags both engine kinds take with SGLang's meaning: reproducible sampling, the replays' returns, the
+    run's keys, and when colocated the memory saver (without it SGLang's /release_memory_occupation frees
+    nothing)."""
     flags = ["--enable-deterministic-inference"] if cfg.engine.reproducible_sampling else []
+    if cfg.algo.routing_replay:  # the engines return their expert choices (docs/sglang.md)
+        flags.append("--enable-return-routed-experts")
+    if cfg.algo.indexer_replay:  # and their CSA indexer top-k
+        flags.append("--enable-return-indexer-topk")
+    if cfg.engine.fp32_lm_head:
+        flags.append("--enable-fp32-lm-head")
     if cfg.parallel.colocate:
         flags.append("--enable-memory-saver")
     if engines_need_keys(cfg):
         flags += ["--config", str(engine_keys_file(run_dir))]  # {api_key, admin_api_key}, mode 0600
+    return flags
+
+
+def numerics_flags(cfg: Config) -> list[str]:
+    """The reference engine's own rounding flags (`engine.numerics`, `engine.numerics_features`)."""
+    flags = ["--numerics", cfg.engine.numerics.value] if cfg.engine.numerics != EngineNumerics.exact else []
+    if cfg.engine.numerics_features is not None:
+        flags += ["--numerics-features", ",".join(str(f) for f in cfg.engine.numerics_features)]
     return flags
 
 
@@ -192,6 +207,7 @@ def reference_engine_argv(cfg: Config, model_path: str, port: int, seed: int, ru
         "--random-seed", str(seed),
         "--max-batch-size", str(cfg.engine.max_batch_size),
         *emulate,
+        *numerics_flags(cfg),
         *_shared_engine_flags(cfg, run_dir),
     ]  # fmt: skip
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 from rich.console import Console
+from rich.text import Text
 
 from dsv4rl.checks.data_files import data_file_problems
 from dsv4rl.config.compose import ConfigError
@@ -184,4 +185,17 @@ def _run_locked(
         stop_grace_s=cfg.run.stop_grace_s if task == Task.train else 0.0,  # eval, align: a signal ends them
         resume_hint=resume_command(cfg),
     )
-    return supervisor.run()
+    code = supervisor.run()
+    if task == Task.train and node == 0:
+        _record_outcome(cfg, run_dir, supervisor, console)
+    return code
+
+
+def _record_outcome(cfg: Config, run_dir: Path, supervisor: Supervisor, console: Console) -> None:
+    """The outcome and root cause into the run's trackers (logger=[...]), and where to find them."""
+    from dsv4rl.trackers.outcome import record_outcome
+
+    status = supervisor.status or "failed"
+    cause = None if status == "finished" else supervisor.failure
+    for line in record_outcome(cfg, run_dir, status, cause):
+        console.print(Text(line, style="dim"), soft_wrap=True)

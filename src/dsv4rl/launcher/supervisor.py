@@ -156,6 +156,8 @@ class Supervisor:
         self.node_addrs = list(node_addrs)  # cluster.node_addrs: which node a remote engine's address is
         self._lost_node: str | None = None  # why a node this one depends on is gone
         self._failure = ""  # what failed here, for the final heartbeat
+        self.root_cause: str | None = None  # the failed process's own words (its crash report)
+        self.status: str | None = None  # finished, stopped, failed, hung or interrupted, once run() returns
         self.children: list[Child] = []
         self.tracker = Tracker()
         self.progress = RunProgress(total_steps)
@@ -193,6 +195,7 @@ class Supervisor:
         cause = self.faults.root_cause(child.spec, log_text)
         if cause is None:
             return False
+        self.root_cause = self.root_cause or cause.headline
         self._print(Text(f"root cause: {cause.headline}", style="bold red"), soft_wrap=True)
         for line in cause.others:
             self._print(Text(f"  also: {line}", style="red"), soft_wrap=True)
@@ -411,6 +414,7 @@ class Supervisor:
             status = "interrupted"
             return INTERRUPTED
         finally:
+            self.status = status
             if self._display is not None:
                 self._display.stop()
                 self._display = None
@@ -437,6 +441,11 @@ class Supervisor:
                 self.console.print(Text(f"{status} (run dir {self.run_dir})", style=style))
             if self._stop_message:
                 self.console.print(Text(self._stop_message, style="bold yellow"), soft_wrap=True)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the run did not finish, in one line (the root cause when a crash report gave one)."""
+        return self.root_cause or self._failure or None
 
     def _interrupted(self) -> bool:
         """Whether a signal stops every process now. In a training run the first SIGTERM or SIGUSR1 starts a

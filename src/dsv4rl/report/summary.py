@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
+from dsv4rl.report.evals import collect_evals, evals_section
 from dsv4rl.report.metrics_table import MetricsTable, mean
 from dsv4rl.report.plots import EVAL_PREFIX, PlotResult, fmt_bytes
 
@@ -159,6 +160,9 @@ def render_summary(
     lines += ["", "## Weight sync", "", *_sync_section(table)]
     if table.keys_with_prefix(EVAL_PREFIX):
         lines += ["", "## Evaluation", "", *_eval_section(table)]
+    evals = collect_evals(run_dir)
+    if evals:  # the periodic evals' reports next to every `dsv4rl eval` of the run's checkpoints
+        lines += ["", "## Eval reports", "", *evals_section(evals, run_dir)]
     lines += ["", "## Plots", ""]
     for name, path in plots.written.items():
         link = path.relative_to(out_dir) if path.is_relative_to(out_dir) else path

@@ -269,7 +269,7 @@ def _in_process(grader: Grader, response: str, truth: str, answers: bool) -> tup
 
 def grade_responses(
     grader: Grader,
-    responses: Sequence[str],
+    responses: Sequence[str | None],
     truths: Sequence[str],
     *,
     answers: bool = False,
@@ -277,9 +277,31 @@ def grade_responses(
 ) -> Graded:
     """Grade a batch (a pooled grader: one pool round; else in this process) -> `Graded`.
 
-    Raises GraderError when more than `max_error_fraction` of the calls raised."""
+    A response of None has no answer (a thinking block that never closed): graded incorrect, with no
+    grader call. Raises GraderError when more than `max_error_fraction` of the calls raised."""
     if len(responses) != len(truths):
         raise ValueError(f"grade_batch: {len(responses)} responses but {len(truths)} answers")
+    if any(response is None for response in responses):
+        present = [i for i, response in enumerate(responses) if response is not None]
+        graded = (
+            grade_responses(
+                grader,
+                [responses[i] for i in present],
+                [truths[i] for i in present],
+                answers=answers,
+                max_error_fraction=max_error_fraction,
+            )
+            if present
+            else Graded(rewards=[])
+        )
+        rewards = [float(getattr(grader, "incorrect", 0.0))] * len(responses)
+        stated: list[str | None] | None = [None] * len(responses) if answers else None
+        for at, i in enumerate(present):
+            rewards[i] = graded.rewards[at]
+            if stated is not None and graded.answers is not None:
+                stated[i] = graded.answers[at]
+        graded.rewards, graded.answers = rewards, stated
+        return graded
     first_exception: BaseException | None = None
     if isinstance(grader, PooledGrader):
         pool_round = grader.run(responses, truths, answers)

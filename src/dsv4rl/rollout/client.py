@@ -276,9 +276,12 @@ class EngineClient:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         rid: str | None = None,
+        return_routed_experts: bool = False,
+        return_indexer_topk: bool = False,
     ) -> dict | list[dict]:
         """POST /generate with token ids; a flat list gives one object, a list of lists (or n>1) a list.
-        `sampling_params` is one dict for every item, or a list with one per item."""
+        `sampling_params` is one dict for every item, or a list with one per item. The two `return_*`
+        flags ask for the engine's routing and indexer choices of every position (from position 0)."""
         if not input_ids or (isinstance(input_ids[0], list) and not all(input_ids)):
             raise ValueError("generate: input_ids must be a non-empty list of token ids (or of such lists)")
         body: dict[str, Any] = {
@@ -289,6 +292,11 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = 0
+        if return_indexer_topk:
+            body["return_indexer_topk"] = True
         self.in_flight += 1
         try:
             async with self._state().semaphore:

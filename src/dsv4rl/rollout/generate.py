@@ -6,7 +6,9 @@ import asyncio
 from collections.abc import Sequence
 
 from dsv4rl.config.schema import SamplingConfig
+from dsv4rl.data.chat_format import PromptRenderer
 from dsv4rl.data.problems import Problem
+from dsv4rl.rollout.choices import ChoiceRequest, attach_choices
 from dsv4rl.rollout.types import Sample
 from dsv4rl.wire.engine_api import EngineAPI
 from dsv4rl.wire.seed import mix_seed
@@ -54,6 +56,19 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     return encode_prompts(tokenizer, [prompt])[0]
 
 
+def prompt_token_ids(
+    tokenizer, problems: Sequence[Problem], renderer: PromptRenderer | None = None
+) -> list[list[int]]:
+    """The ids each problem is sent as: its own when encoded already (`encode_problems`), else rendered
+    now by `renderer` (the recipe's chat format), else BOS + its text."""
+    missing = [problem.prompt for problem in problems if problem.prompt_ids is None]
+    if renderer is not None:
+        fresh = iter(renderer.encode(missing))
+    else:
+        fresh = iter(encode_prompts(tokenizer, missing))
+    return [list(p.prompt_ids) if p.prompt_ids is not None else next(fresh) for p in problems]
+
+
 def _to_sample(group: int, prompt_ids: list[int], output: dict, answer: str) -> Sample:
     meta = output["meta_info"]
     logprobs = [entry[0] for entry in meta.get("output_token_logprobs", [])]
@@ -82,6 +97,8 @@ async def generate_samples(
     group_size: int,
     sampling: SamplingConfig,
     seed: int | None = None,
+    renderer: PromptRenderer | None = None,
+    choices: ChoiceRequest | None = None,
 ) -> list[Sample]:
     """`group_size` samples for every problem, in prompt-major order; one batched /generate per engine,
     each engine taking a contiguous chunk of the prompts.
@@ -89,9 +106,12 @@ async def generate_samples(
     `seed=None`: each prompt is one item with `n = group_size` and no seed (SGLang then samples from its
     own state: not reproducible). With a seed (the engines run with --enable-deterministic-inference),
     every sample is its own item with `n = 1` and its own `sampling_seed` (`sample_seed`): SGLang gives
-    all `n` samples of one seeded item the same seed, hence the same tokens.
+    all `n` samples of one seeded item the same seed, hence the same tokens. Prompts are sent as ids
+    (`prompt_token_ids`: rendered in the recipe's chat format by `renderer`). `choices` asks the engines
+    for their routing / indexer choices, kept on each sample (`dsv4rl.rollout.choices`).
     """
-    prompt_ids = encode_prompts(tokenizer, [problem.prompt for problem in problems])
+    asks = choices.generate_kwargs() if choices is not None else {}
+    prompt_ids = prompt_token_ids(tokenizer, problems, renderer)
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     chunk = -(-len(problems) // len(clients))
     calls, starts = [], []
@@ -102,7 +122,9 @@ async def generate_samples(
             continue
         if seed is None:
             calls.append(
-                client.generate(batch, sampling_params(sampling, stop, group_size, None), return_logprob=True)
+                client.generate(
+                    batch, sampling_params(sampling, stop, group_size, None), return_logprob=True, **asks
+                )
             )
         else:
             inputs = [ids for ids in batch for _ in range(group_size)]
@@ -111,7 +133,7 @@ async def generate_samples(
                 for prompt in range(len(batch))
                 for sample in range(group_size)
             ]
-            calls.append(client.generate(inputs, per_sample, return_logprob=True))
+            calls.append(client.generate(inputs, per_sample, return_logprob=True, **asks))
         starts.append(start)
     results = await asyncio.gather(*calls)
     samples: list[Sample] = []
@@ -119,7 +141,8 @@ async def generate_samples(
         outputs = outputs if isinstance(outputs, list) else [outputs]
         for offset, output in enumerate(outputs):
             group = start + offset // group_size
-            samples.append(_to_sample(group, prompt_ids[group], output, problems[group].answer))
+            sample = _to_sample(group, prompt_ids[group], output, problems[group].answer)
+            samples.append(attach_choices(sample, output["meta_info"], choices))
     if len(samples) != len(problems) * group_size:
         raise ValueError(f"expected {len(problems) * group_size} samples, engines returned {len(samples)}")
     return samples

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass
 class Sample:
@@ -17,6 +19,11 @@ class Sample:
     reward: float = 0.0
     advantage: float = 0.0
     weight_version: str = ""
+    # The engine's choices (algo.routing_replay / indexer_replay), one row per forwarded position (prompt +
+    # response - 1 rows), int32: routed experts [rows, layers * top_k], indexer top-k [rows, CSA layers *
+    # index_topk]; the trainer reshapes them with the model's config.
+    routed_experts: np.ndarray | None = None
+    indexer_topk: np.ndarray | None = None
 
     @property
     def truncated(self) -> bool:

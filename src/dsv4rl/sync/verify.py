@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dsv4rl.config.schema import QuantMode, SyncVerifyConfig
+from dsv4rl.config.schema import EngineNumerics, QuantMode, SyncVerifyConfig
 from dsv4rl.sync.errors import WeightSyncError, engine_name
 from dsv4rl.wire.engine_api import EngineAPI
 
@@ -47,6 +47,9 @@ PROBE_BOUNDS: dict[QuantMode, float] = {
     QuantMode.fp8_rollout: 1.0,
     QuantMode.fp8_mxfp4: 1.0,
 }
+# An engine computing with SGLang's rounding points (`engine.numerics=sglang`: bf16 weights and activations,
+# an FP8 KV cache) moves the log-probs as an FP8 checkpoint does, whatever the quant mode.
+SGLANG_NUMERICS_BOUND = PROBE_BOUNDS[QuantMode.fp8_rollout]
 PROBE_SEED = 20260601  # the probe's sequences are the same in every run
 
 
@@ -101,11 +104,15 @@ class SyncVerifier:
         cfg: SyncVerifyConfig,
         quant: QuantMode,
         event_loop: asyncio.AbstractEventLoop,
+        engine_numerics: EngineNumerics = EngineNumerics.exact,
     ) -> None:
         self.clients = list(clients)
         self.cfg = cfg
         self.quant = QuantMode(quant)
-        self.bound = cfg.max_mean_abs_diff if cfg.max_mean_abs_diff is not None else PROBE_BOUNDS[self.quant]
+        bound = PROBE_BOUNDS[self.quant]
+        if engine_numerics == EngineNumerics.sglang:
+            bound = max(bound, SGLANG_NUMERICS_BOUND)
+        self.bound = cfg.max_mean_abs_diff if cfg.max_mean_abs_diff is not None else bound
         self.event_loop = event_loop
 
     def check_checksums(self, sent: Mapping[str, str], step: int) -> dict[str, float]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,7 @@ def run_align(
                 cfg.align.samples_per_prompt,
                 sampling,
                 seed=rollout_seed(cfg.seed, 0) if cfg.engine.reproducible_sampling else None,
+                renderer=driver.renderer,
             )
         )
         box[0] = TrainBatch.from_samples(samples, pad_id=driver.tokenizer.pad_token_id)
@@ -96,6 +97,15 @@ def run_align(
         return None
     report = {
         "quant": cfg.quant.name.value,
+        # how the engine rounds (reference engine: exact or SGLang's emulated points) and the trainer does
+        "numerics": {
+            "engine": cfg.engine.numerics.value,
+            "engine_features": None
+            if cfg.engine.numerics_features is None
+            else [str(f) for f in cfg.engine.numerics_features],
+            "fp32_lm_head": cfg.engine.fp32_lm_head,
+            **{f"train_{f.name}": getattr(cfg.train.numerics, f.name) for f in fields(cfg.train.numerics)},
+        },
         **abs_diff_summary(trainer, batch.rollout_logprobs, batch.loss_mask),
         "responses": batch.size,
         "prompts": cfg.align.prompts,

@@ -11,10 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from dsv4rl.model.replay import NO_CHOICE
 from dsv4rl.rollout.types import Sample
+
+PER_POSITION = ("routed_experts", "indexer_topk")  # [B, T, width]: one row per input position
 
 
 @dataclass
@@ -25,6 +29,10 @@ class TrainBatch:
     rollout_logprobs: Tensor  # [B, T-1] float: the engine's logprobs of response targets, 0 elsewhere
     old_logprobs: Tensor | None = None  # [B, T-1]: the trainer's logprobs before the update
     ref_logprobs: Tensor | None = None  # [B, T-1]: the reference model's logprobs (KL penalty)
+    # The engine's choices per input position (algo.routing_replay / indexer_replay), int32, NO_CHOICE
+    # where the rollout reported none: [B, T, routed width] and [B, T, indexer width] (flat per position)
+    routed_experts: Tensor | None = None
+    indexer_topk: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2 or self.input_ids.shape[1] < 2:
@@ -35,6 +43,8 @@ class TrainBatch:
             if value is None or f.name == "input_ids":
                 continue
             expected = (b,) if f.name == "advantages" else (b, t - 1)
+            if f.name in PER_POSITION:
+                expected = (b, t, value.shape[-1])
             if tuple(value.shape) != expected:
                 raise ValueError(
                     f"TrainBatch.{f.name} has shape {tuple(value.shape)}, expected {expected} "
@@ -72,6 +82,8 @@ class TrainBatch:
             torch.tensor(mask, dtype=torch.float32),
             torch.tensor([s.advantage for s in samples], dtype=torch.float32),
             torch.tensor(rollout, dtype=torch.float32),
+            routed_experts=_per_position([s.routed_experts for s in samples], length, "routed_experts"),
+            indexer_topk=_per_position([s.indexer_topk for s in samples], length, "indexer_topk"),
         )
 
     def select(self, index: slice | Tensor) -> TrainBatch:
@@ -131,7 +143,8 @@ class TrainBatch:
             if value is None or f.name == "advantages":
                 out[f.name] = value
             else:
-                out[f.name] = value[:, : keep + 1] if f.name == "input_ids" else value[:, :keep]
+                per_input = f.name == "input_ids" or f.name in PER_POSITION
+                out[f.name] = value[:, : keep + 1] if per_input else value[:, :keep]
         return TrainBatch(**out)
 
     def to(self, device: torch.device | str) -> TrainBatch:
@@ -141,6 +154,22 @@ class TrainBatch:
     def num_tokens(self) -> int:
         """Response tokens (loss-bearing targets) in the batch."""
         return int(self.loss_mask.sum().item())
+
+
+def _per_position(rows: list[np.ndarray | None], length: int, what: str) -> Tensor | None:
+    """[B, length, width] int32 of the samples' per-position choices (row r = input position r), NO_CHOICE
+    past each sample's rows; None when no sample has them."""
+    if all(r is None for r in rows):
+        return None
+    if any(r is None for r in rows):
+        raise ValueError(f"some samples carry {what} and some do not: the engines must all return it")
+    widths = {r.shape[1] for r in rows}
+    if len(widths) != 1:
+        raise ValueError(f"samples carry {what} of different widths {sorted(widths)}: one model, one width")
+    out = np.full((len(rows), length, widths.pop()), NO_CHOICE, dtype=np.int32)
+    for index, r in enumerate(rows):
+        out[index, : r.shape[0]] = r
+    return torch.from_numpy(out)
 
 
 def _rows(value: Tensor | None, index: slice | Tensor) -> Tensor | None:

@@ -27,12 +27,15 @@ import torch.distributed as dist
 from dsv4rl.algo.dapo import keep_informative_groups, overlong_penalty
 from dsv4rl.algo.grpo import group_advantages
 from dsv4rl.config.schema import Config, MemoryTag
+from dsv4rl.data.chat_format import PromptRenderer
+from dsv4rl.data.chat_response import ResponseParser, response_split_metrics
 from dsv4rl.data.stream import PromptStream
 from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.faults import heartbeat
 from dsv4rl.faults.stop import StopSignals, write_stopped
 from dsv4rl.metrics import MetricsWriter, StepTimer
 from dsv4rl.reward.graders import Grader, grade_responses
+from dsv4rl.rollout.choices import ChoiceRequest
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.colocated import KV_AND_GRAPHS, ColocatedEngines
 from dsv4rl.rollout.generate import generate_samples, rollout_seed
@@ -40,6 +43,7 @@ from dsv4rl.rollout.types import Sample
 from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.sync.verify import SyncVerifier
 from dsv4rl.sync.weight_sync import SyncStats
+from dsv4rl.trackers.hub import Trackers, open_trackers
 from dsv4rl.train.backend import TrainerBackend
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.checkpoint import checkpoint_dir, latest_checkpoint, load_newest
@@ -63,6 +67,8 @@ class Driver:
     verifier: SyncVerifier
     evaluator: PeriodicEval | None = None  # the recipe's eval set every eval.every_steps steps
     colocated: ColocatedEngines | None = None  # parallel.colocate: the engines' memory around training
+    renderer: PromptRenderer | None = None  # data.chat_format: problems -> the prompt ids sent
+    parser: ResponseParser | None = None  # data.chat_format: responses -> reasoning and answer
 
 
 def shape_rewards(cfg: Config, samples: list[Sample], rewards: list[float]) -> torch.Tensor:
@@ -116,6 +122,8 @@ class RLLoop:
         self.world_size = dist.get_world_size()
         self.checkpoint_root = run_dir / "checkpoints"
         self.writer: MetricsWriter | None = None
+        self.trackers: Trackers | None = None  # rank 0: the recipe's `logger` trackers (dsv4rl.trackers)
+        self.resumed_trackers: dict | None = None  # the tracker state the resumed checkpoint kept
         self.syncs = 0  # weight syncs done by this process (the first one is always verified)
         self.stop = BoundaryStop(run_dir, self.rank, getattr(backend, "device", None), stop_signals)
         self.saved_step: int | None = None  # the step of the last checkpoint this process wrote
@@ -144,6 +152,7 @@ class RLLoop:
         checkpoint, extra = load_newest(self.checkpoint_root, self.backend.load_checkpoint)
         if self.driver is not None:
             self.driver.stream.load_state_dict(extra["data"])
+            self.resumed_trackers = extra.get("trackers")
         if self.ahead is not None and extra.get("pending_rollout") is not None:
             self.ahead.restore(extra["pending_rollout"])  # generated before the stop, not yet trained
         if self.rank == 0:
@@ -155,6 +164,7 @@ class RLLoop:
         start = self.resume()
         if self.driver is not None:  # a resumed run drops the lines of steps after its checkpoint
             self.writer = MetricsWriter(self.driver.metrics_path, resume_from_step=start)
+            self.trackers = open_trackers(self.cfg, self.run_dir, self.resumed_trackers, start)
         # The engines start from the model directory; after a resume they must hold the resumed weights.
         heartbeat.enter("sync", start)
         self.sync_weights(version=start)
@@ -171,6 +181,8 @@ class RLLoop:
         finally:
             if self.ahead is not None:
                 self.ahead.close(wait=finished)
+            if self.trackers is not None:  # the launcher adds the outcome (dsv4rl.trackers.outcome)
+                self.trackers.close()
         heartbeat.enter("shutdown", self.cfg.train.steps)
 
     def stop_before(self, step: int, start: int) -> bool:
@@ -238,6 +250,8 @@ class RLLoop:
             metrics = {"step": step, **train_metrics, **timer.as_metrics(), **rollout_metrics}
             metrics.update(sync_metrics(sync_stats), **verify_metrics, **eval_metrics)
             self.writer.write(metrics)
+            if self.trackers is not None:  # after metrics.jsonl; a tracker that fails is dropped
+                self.trackers.log_step(step, metrics)
 
     # -------------------------------------------------------- rank 0: rollout
     def rollout(self, step: int, timer: StepTimer) -> tuple[TrainBatch, dict[str, float]]:
@@ -267,6 +281,7 @@ class RLLoop:
         all_rewards: list[float] = []
         all_lengths: list[int] = []
         truncated = 0
+        all_parts = []  # reasoning and answer of every response (data.chat_format=deepseek_v4)
         grading = dict.fromkeys(("grader_timeouts", "grader_errors", "grader_restarts"), 0)
         attempt = 0
         wanted = len(problems) * algo.group_size
@@ -282,12 +297,19 @@ class RLLoop:
                         seed=rollout_seed(self.cfg.seed, step, attempt)
                         if self.cfg.engine.reproducible_sampling
                         else None,
+                        renderer=driver.renderer,
+                        choices=ChoiceRequest(algo.routing_replay, algo.indexer_replay),
                     )
                 )
             with phase("reward"):
+                texts: list[str | None] = [s.response_text for s in samples]
+                if driver.parser is not None:  # graders read the answer; None: thinking never closed
+                    parts = [driver.parser.parse(s.response_ids, s.response_text) for s in samples]
+                    all_parts += parts
+                    texts = [part.answer for part in parts]
                 graded = grade_responses(  # too many grader exceptions stop the run (GraderError)
                     driver.grader,
-                    [s.response_text for s in samples],
+                    texts,
                     [s.answer for s in samples],
                     max_error_fraction=self.cfg.reward.max_error_fraction,
                 )
@@ -326,6 +348,7 @@ class RLLoop:
             "samples": len(all_rewards),
             "samples_trained": len(kept),
             **grading,  # grader calls that timed out or raised (graded incorrect), pool restarts
+            **(response_split_metrics(all_parts) if all_parts else {}),
             # the weights this batch trains are version step - 1: how far behind they were generated
             **staleness([s.weight_version for s in kept], step - 1),
         }
@@ -398,6 +421,8 @@ class RLLoop:
         """Model, optimizer, RNG states (saved by the backend) plus the step and the data cursor."""
         heartbeat.enter("checkpoint", step)
         extra = {"step": step, "data": self.driver.stream.state_dict() if self.driver is not None else None}
+        if self.trackers is not None:  # a resume continues the same tracker runs
+            extra["trackers"] = self.trackers.state_dict()
         if self.ahead is not None:  # the next step's batch, generated before this checkpoint
             extra["pending_rollout"] = self.ahead.pending
         self.backend.save_checkpoint(str(checkpoint_dir(self.checkpoint_root, step)), extra)

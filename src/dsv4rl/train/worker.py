@@ -16,7 +16,6 @@ import os
 import random
 import signal
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +24,15 @@ import torch.distributed as dist
 import transformers
 
 from dsv4rl.config.compose import load_config_file
-from dsv4rl.config.schema import Config, RolloutEngineKind, Task
+from dsv4rl.config.schema import ChatFormat, Config, RolloutEngineKind, Task
+from dsv4rl.data.chat_format import PromptRenderer, data_chat_settings
+from dsv4rl.data.chat_response import ResponseParser
 from dsv4rl.data.stream import build_prompt_stream
 from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.faults.child import child_process
 from dsv4rl.faults.stop import StopSignals
 from dsv4rl.model.model_dir import source_model_dir
-from dsv4rl.model.tiny import load_tokenizer
+from dsv4rl.model.tiny import run_tokenizer
 from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.quant.sglang_env import engine_env
 from dsv4rl.quant.sglang_moe import recipe_moe_path, restart_reason
@@ -46,6 +47,7 @@ from dsv4rl.sync.verify import SyncVerifier, probe_sequences
 from dsv4rl.sync.weight_sync import WeightSync
 from dsv4rl.topology import sync_transport, weight_sync_sources
 from dsv4rl.train.align import run_align
+from dsv4rl.train.attribute import run_attribution
 from dsv4rl.train.backend import TrainerBackend, build_backend
 from dsv4rl.train.loop import Driver, RLLoop
 
@@ -66,22 +68,23 @@ def build_driver(
     event_loop: asyncio.AbstractEventLoop,
 ) -> Driver:
     # The tiny model builds its tokenizer; a model directory carries its own.
-    tokenizer = load_tokenizer(
-        cfg.model if cfg.model.path is None else replace(cfg.model, tokenizer=model_path)
-    )
+    tokenizer = run_tokenizer(cfg.model)
+    renderer = PromptRenderer(tokenizer, data_chat_settings(cfg.data))
     evaluator = None
     if cfg.eval is not None and cfg.eval.every_steps > 0:
         evaluator = PeriodicEval(cfg, clients, tokenizer, event_loop, run_dir)
     return Driver(
         clients=clients,
-        stream=build_prompt_stream(cfg),
+        stream=build_prompt_stream(cfg, renderer),
         grader=get_grader(cfg.reward.grader, reward=cfg.reward),
         tokenizer=tokenizer,
         metrics_path=run_dir / "metrics.jsonl",
         event_loop=event_loop,
-        verifier=SyncVerifier(clients, cfg.sync.verify, cfg.quant.name, event_loop),
+        verifier=SyncVerifier(clients, cfg.sync.verify, cfg.quant.name, event_loop, cfg.engine.numerics),
         evaluator=evaluator,
         colocated=ColocatedEngines(clients, event_loop) if cfg.parallel.colocate else None,
+        renderer=renderer,
+        parser=ResponseParser(renderer) if cfg.data.chat_format == ChatFormat.deepseek_v4 else None,
     )
 
 
@@ -203,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         weight_sync = build_weight_sync(cfg, backend, clients)
         connect(cfg, weight_sync, driver, model_path)
         if args.task == Task.align:
-            run_align(cfg, backend, driver, weight_sync, run_dir)
+            # `--attribute`: one engine start's share of the attribution grid (dsv4rl.train.attribute)
+            task = run_align if cfg.align.attribute is None else run_attribution
+            task(cfg, backend, driver, weight_sync, run_dir)
             return 0
         verify = cfg.sync.verify
         probe = None

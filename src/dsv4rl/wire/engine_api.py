@@ -38,8 +38,11 @@ class EngineAPI(Protocol):
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         rid: str | None = None,
+        return_routed_experts: bool = False,
+        return_indexer_topk: bool = False,
     ) -> dict | list[dict]:
-        """POST /generate with token ids (one item, or a batch: then a list of answers)."""
+        """POST /generate with token ids (one item, or a batch: then a list of answers); the `return_*`
+        flags ask for meta_info's routed_experts / indexer_topk."""
         ...
 
     async def pause_generation(self, mode: str = "abort") -> Any: ...

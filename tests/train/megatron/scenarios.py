@@ -2,6 +2,7 @@
 same weights in transformers. Writes OUT (torch.save) on rank 0 for tests/train/megatron to compare.
 
 Usage: scenarios.py OUT CONFIG TP PP EP [LAST_STAGE_LAYERS] [--dtype float32|bfloat16]
+       [--attention sparse|dense] [--query-chunk N]
 CONFIG: tiny | every_type | selecting
 
 In bfloat16 the Megatron model runs forward only, and transformers' model is loaded the way
@@ -20,7 +21,7 @@ from megatron.core import parallel_state
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
 
-from dsv4rl.config.schema import TinyModelConfig
+from dsv4rl.config.schema import AttentionImpl, TinyModelConfig
 from dsv4rl.model.tiny import tiny_hf_config
 from dsv4rl.train.megatron import convert
 from dsv4rl.train.megatron.architecture import ParallelSizes
@@ -101,21 +102,27 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def record_compression(model: torch.nn.Module) -> dict[str, dict[str, int]]:
-    """Forward hooks that note, per compressor and indexer of this stage, the entries it produced and
-    (indexer) the most entries one query kept; filled as the model runs."""
+    """Hooks that note, per compressor and indexer of this stage, the entries it produced and
+    (indexer) the most entries one query kept; filled as the model runs. The indexer's `select` is
+    wrapped (both attention forms call it)."""
     seen: dict[str, dict[str, int]] = defaultdict(dict)
 
-    def note(name: str, module: torch.nn.Module, output: torch.Tensor) -> None:
+    def note_entries(name: str, module: torch.nn.Module, entries: int) -> None:
         record = seen[name]
-        if isinstance(module, Indexer):
-            selected = int((output == 0).sum(dim=-1).max()) if output.numel() else 0
-            record.update(kind="indexer", topk=module.topk, ratio=module.ratio)
-            record["selected"] = max(record.get("selected", 0), selected)
-        else:
-            record.update(kind="compressor", ratio=module.ratio)
-        record["entries"] = max(
-            record.get("entries", 0), output.shape[-1 if isinstance(module, Indexer) else 1]
-        )
+        record.update(kind="indexer" if isinstance(module, Indexer) else "compressor", ratio=module.ratio)
+        record["entries"] = max(record.get("entries", 0), entries)
+
+    def wrap_select(name: str, module: Indexer) -> None:
+        select = module.select
+
+        def recorded(hidden: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            selection = select(hidden, *args, **kwargs)
+            note_entries(name, module, hidden.shape[1] // module.ratio)
+            kept = int(selection.valid.sum(dim=-1).max()) if selection.valid.numel() else 0
+            seen[name].update(topk=module.topk, selected=max(seen[name].get("selected", 0), kept))
+            return selection
+
+        module.select = recorded
 
     offset = model.decoder.offset
     for name, module in model.named_modules():
@@ -123,7 +130,12 @@ def record_compression(model: torch.nn.Module) -> dict[str, dict[str, int]]:
             parts = name.split(".")
             parts[2] = str(offset + int(parts[2]))  # decoder.layers.<local> -> the global layer
             global_name = ".".join(parts)
-            module.register_forward_hook(lambda m, _, out, n=global_name: note(n, m, out))
+            if isinstance(module, Indexer):
+                wrap_select(global_name, module)
+            else:
+                module.register_forward_hook(
+                    lambda m, _, out, n=global_name: note_entries(n, m, out.shape[1])
+                )
     return seen
 
 
@@ -155,9 +167,18 @@ def main() -> None:
     parser.add_argument("sizes", type=int, nargs=3, metavar=("TP", "PP", "EP"))
     parser.add_argument("last", type=int, nargs="?")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--attention", choices=("sparse", "dense"), default="sparse")
+    parser.add_argument("--query-chunk", type=int, default=256)
     args = parser.parse_args()
     tensor, pipeline, expert = args.sizes
-    sizes = ParallelSizes(tensor=tensor, pipeline=pipeline, expert=expert, last_stage_layers=args.last)
+    sizes = ParallelSizes(
+        tensor=tensor,
+        pipeline=pipeline,
+        expert=expert,
+        last_stage_layers=args.last,
+        attention=AttentionImpl(args.attention),
+        attention_query_chunk=args.query_chunk,
+    )
     dtype = getattr(torch, args.dtype)
     training = dtype == torch.float32
     dist.init_process_group("gloo")

@@ -52,9 +52,10 @@ def _launch(
     expert: int,
     last: int | None,
     dtype: str = "float32",
+    *extra: str,
 ) -> subprocess.Popen:
     args = [str(out), config, str(tensor), str(pipeline), str(expert)] + ([str(last)] if last else [])
-    return launch(SCRIPT, tensor * pipeline * expert, [*args, "--dtype", dtype])
+    return launch(SCRIPT, tensor * pipeline * expert, [*args, "--dtype", dtype, *extra])
 
 
 def collect(procs: dict[str, tuple[subprocess.Popen, Path]]) -> dict[str, dict]:
@@ -170,3 +171,39 @@ def test_parallel_layout_equals_world_one(world_one, two_process, config, layout
     assert max(worst.values()) < 1e-4, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
     for name, tensor in single["weights"].items():
         assert torch.equal(parallel["weights"][name], tensor), name
+
+
+@pytest.fixture(scope="module")
+def dense_and_chunked(tmp_path_factory) -> dict[str, dict]:
+    """`selecting` with the dense reference attention at TP=1 and TP=2, and the sparse one at TP=2 in
+    query chunks of 48 (4 chunks of a 160-token row; the indexer scores in the same chunks)."""
+    root = tmp_path_factory.mktemp("megatron_attention")
+    runs = {
+        "dense_tp1": (1, ["--attention", "dense"]),
+        "dense_tp2": (2, ["--attention", "dense"]),
+        "chunked_tp2": (2, ["--query-chunk", "48"]),
+    }
+    return collect(
+        {
+            name: (
+                _launch(root / f"{name}.pt", "selecting", tp, 1, 1, None, "float32", *extra),
+                root / f"{name}.pt",
+            )
+            for name, (tp, extra) in runs.items()
+        }
+    )
+
+
+@pytest.mark.slow
+def test_sparse_attention_equals_the_dense_reference(world_one, dense_and_chunked):
+    """The default (sparse, one chunk) at TP=1 and the sparse in 4 chunks at TP=2 against the dense form at
+    the same layout: log-probs within 1e-6, every gradient within 1e-5 relative, the same selections."""
+    pairs = [
+        (world_one["selecting"], dense_and_chunked["dense_tp1"]),
+        (dense_and_chunked["chunked_tp2"], dense_and_chunked["dense_tp2"]),
+    ]
+    for sparse, dense in pairs:
+        assert sparse["compression"] == dense["compression"]
+        assert (sparse["logprobs"] - dense["logprobs"]).abs().max() < 1e-6
+        worst = {name: _relative(sparse["grads"][name], grad) for name, grad in dense["grads"].items()}
+        assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:5]

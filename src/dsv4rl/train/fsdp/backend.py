@@ -29,8 +29,10 @@ from torch.distributed.tensor import DTensor
 from dsv4rl.algo.grpo import token_logprobs
 from dsv4rl.config.schema import Config
 from dsv4rl.model.native_checkpoint import load_native_model
+from dsv4rl.model.replay import ReplayCounts
+from dsv4rl.model.sglang_numerics import trainer_numerics
 from dsv4rl.train import checkpoint as ckpt
-from dsv4rl.train import update
+from dsv4rl.train import replay, update
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.checkpoint_dirs import FINITE
 from dsv4rl.train.nonfinite import require_finite_weights
@@ -94,12 +96,14 @@ class FSDPBackend:
         self._norm: Tensor | None = None  # the norm grad_norm computed, for optimizer_step's clipping
         # False forces the separate old-policy forward even when the training forward could serve (tests)
         self.reuse_policy_forward = True
+        self.replay_counts = ReplayCounts()  # the decisions replayed this step (algo.routing_replay, ...)
 
     # ------------------------------------------------------------------ model
     def _load(self, model_path: str, trainable: bool) -> torch.nn.Module:
         # A native checkpoint in any quant format, dequantized to the training dtype (float32).
         model = load_native_model(model_path, dtype=torch.float32)
         model.to(self.device)
+        trainer_numerics(model, self.cfg)  # train.numerics.*: SGLang's rounding, straight-through
         # eval(): no dropout, so the trainer's logprobs match the rollout engine's and each other
         model.eval()
         model.requires_grad_(trainable)
@@ -145,8 +149,11 @@ class FSDPBackend:
 
     # ------------------------------------------------------------------ training (dsv4rl.train.update)
     def train_step(self, batch: TrainBatch, temperature: float | None = None) -> dict[str, float]:
-        """One rollout batch (this rank's shard): algo.updates_per_step optimizer steps."""
-        return update.train_step(self, batch, temperature)
+        """One rollout batch (this rank's shard): algo.updates_per_step optimizer steps; with a replay on,
+        the share of replayed decisions that differed (dsv4rl.train.replay)."""
+        self.replay_counts = ReplayCounts()
+        metrics = update.train_step(self, batch, temperature)
+        return {**metrics, **replay.reduced_metrics(self.replay_counts, self.cfg.algo, self.device)}
 
     def data_parallel_all_reduce(
         self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
@@ -166,7 +173,10 @@ class FSDPBackend:
         self, micro: Sequence[MicroBatch], temperature: float, reference: bool = False
     ) -> list[Tensor]:
         model = self.ref_model if reference else self.model
-        out = [self._micro_logprobs(model, part.batch.input_ids, temperature)[0] for part in micro]
+        out = []
+        for part in micro:
+            with replay.replay(model, part.batch, self.cfg.algo, None):
+                out.append(self._micro_logprobs(model, part.batch.input_ids, temperature)[0])
         self._reshard(model)
         return out
 
@@ -174,7 +184,8 @@ class FSDPBackend:
         self.optimizer.zero_grad(set_to_none=True)
         sums = []
         for part in micro:
-            logits = self.model(input_ids=part.batch.input_ids, use_cache=False).logits
+            with replay.replay(self.model, part.batch, self.cfg.algo, self.replay_counts):
+                logits = self.model(input_ids=part.batch.input_ids, use_cache=False).logits
             value, part_sums = loss(logits, part)
             value.backward()
             sums.append(part_sums)

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 from transformers import DeepseekV4Config
 
-from dsv4rl.config.schema import RecomputeMode
+from dsv4rl.config.schema import AttentionImpl, RecomputeMode
+from dsv4rl.train.megatron.moe import grouped_experts_available
 
 
 class AttentionKind(StrEnum):
@@ -59,6 +60,9 @@ class DeepseekV4Architecture:
     hc_sinkhorn_iters: int
     hc_eps: float
     norm_eps: float
+    # how, not what: the attention core's form (sparse or the dense reference) and its query chunk
+    attention: AttentionImpl = AttentionImpl.sparse
+    query_chunk: int = 256
 
     @classmethod
     def from_hf(cls, config: DeepseekV4Config) -> DeepseekV4Architecture:
@@ -111,6 +115,8 @@ class ParallelSizes:
     last_stage_layers: int | None = None
     recompute: RecomputeMode = RecomputeMode.none
     recompute_layers: int = 1  # blocks per recomputed chunk (full recompute)
+    attention: AttentionImpl = AttentionImpl.sparse
+    attention_query_chunk: int = 256
 
 
 def transformer_config(
@@ -121,6 +127,8 @@ def transformer_config(
     recompute = {} if mode == RecomputeMode.none else {"recompute_granularity": mode.value}
     if mode == RecomputeMode.full:
         recompute.update(recompute_method="uniform", recompute_num_layers=sizes.recompute_layers)
+    # the experts in Transformer Engine's grouped GEMM where it is present (GPUs), else SequentialMLP (moe.py)
+    grouped = not on_cpu and grouped_experts_available()
     layout = {}
     if sizes.pipeline > 1 and sizes.last_stage_layers is not None:
         layout["num_layers_in_last_pipeline_stage"] = sizes.last_stage_layers
@@ -152,6 +160,7 @@ def transformer_config(
         moe_token_dispatcher_type="allgather" if on_cpu else "alltoall",
         batch_p2p_comm=not on_cpu,
         moe_router_dtype="fp32",
+        moe_grouped_gemm=grouped,
         tensor_model_parallel_size=sizes.tensor,
         pipeline_model_parallel_size=sizes.pipeline,
         expert_model_parallel_size=sizes.expert,

@@ -32,11 +32,13 @@ from megatron.core.transformer.utils import (
 )
 from torch import Tensor
 
+from dsv4rl.config.schema import AttentionImpl
 from dsv4rl.train.megatron import cpu_compat
 from dsv4rl.train.megatron.architecture import AttentionKind, DeepseekV4Architecture
 from dsv4rl.train.megatron.compressor import Compressor, Indexer, RMSNorm, linear, visible_entries
 from dsv4rl.train.megatron.hyper_connection import unweighted_rms_norm
 from dsv4rl.train.megatron.rope import RotaryTables, apply_interleaved_rope, rotate
+from dsv4rl.train.megatron.sparse_attention import EntrySelection, sparse_attend
 
 
 class _SumGradientsOverTensorParallel(torch.autograd.Function):
@@ -173,13 +175,32 @@ class DeepseekV4Attention(MegatronModule):
         kv = self.kv_layernorm(self.linear_kv_proj(hidden).float()).view(batch, seq, 1, arch.head_dim)
         kv = shared_by_all_heads(rotate(kv, cos, sin).to(hidden.dtype))
         keys = kv.squeeze(2)  # [B, S, d]
-        bias = sliding_window_bias(seq, arch.window, torch.float32, hidden.device).expand(batch, seq, seq)
+        if arch.attention == AttentionImpl.sparse:
+            output = self._attend_sparse(hidden, q, q_compressed, keys, tables)
+        else:
+            output = self._attend_dense(hidden, q, q_compressed, keys, tables)
+        # the inverse RoPE on the rounded output, in float32 (sglang/srt/models/deepseek_v4.py:2954-2960)
+        output = apply_interleaved_rope(output, cos, -sin)
+        grouped = output.reshape(batch * seq, self.local_groups, -1).transpose(0, 1)
+        weight = self.linear_o_group_proj.view(self.local_groups, arch.o_lora_rank, -1).transpose(1, 2)
+        grouped = torch.bmm(grouped, weight).transpose(0, 1).reshape(batch, seq, -1)
+        out, _ = self.linear_proj(grouped)
+        return out
 
+    def _attend_dense(
+        self, hidden: Tensor, q: Tensor, q_compressed: Tensor, keys: Tensor, tables: RotaryTables
+    ) -> Tensor:
+        """The reference form (parallel.train.attention=dense): [S, S + T] biases, one softmax."""
+        batch, seq, _ = hidden.shape
+        bias = sliding_window_bias(seq, self.arch.window, torch.float32, hidden.device).expand(
+            batch, seq, seq
+        )
         if self.compressor is not None:
-            entries = self.compressor(hidden, tables)  # [B, T, d]
-            entries = shared_by_all_heads(entries)
+            entries = shared_by_all_heads(self.compressor(hidden, tables))  # [B, T, d]
             if self.indexer is not None:
-                entry_bias = self.indexer(hidden, q_compressed.detach(), tables).float()
+                entry_bias = self.indexer(
+                    hidden, q_compressed.detach(), tables, self.arch.query_chunk
+                ).float()
             else:
                 visible = visible_entries(seq, entries.shape[1], self.compressor.ratio, hidden.device)
                 entry_bias = (
@@ -189,19 +210,37 @@ class DeepseekV4Attention(MegatronModule):
                 )
             keys = torch.cat([keys, entries], dim=1)
             bias = torch.cat([bias, entry_bias], dim=-1)
-
         if self.config.recompute_granularity == "selective" and torch.is_grad_enabled():
             # selective recompute: the [B, h, S, K] scores are rebuilt in backward, not kept
-            output = cpu_compat.recompute(self._attend, q, keys, bias)
-        else:
-            output = self._attend(q, keys, bias)  # [B, S, h, d]
-        # the inverse RoPE on the rounded output, in float32 (sglang/srt/models/deepseek_v4.py:2954-2960)
-        output = apply_interleaved_rope(output, cos, -sin)
-        grouped = output.reshape(batch * seq, self.local_groups, -1).transpose(0, 1)
-        weight = self.linear_o_group_proj.view(self.local_groups, arch.o_lora_rank, -1).transpose(1, 2)
-        grouped = torch.bmm(grouped, weight).transpose(0, 1).reshape(batch, seq, -1)
-        out, _ = self.linear_proj(grouped)
-        return out
+            return cpu_compat.recompute(self._attend, q, keys, bias)
+        return self._attend(q, keys, bias)  # [B, S, h, d]
+
+    def _attend_sparse(
+        self, hidden: Tensor, q: Tensor, q_compressed: Tensor, keys: Tensor, tables: RotaryTables
+    ) -> Tensor:
+        """Each query chunk over its window and its entries only (`sparse_attention.py`), rebuilt in
+        backward whatever the recompute setting; the indexer keeps nothing for backward."""
+        entries = selection = None
+        if self.compressor is not None:
+            entries = shared_by_all_heads(self.compressor(hidden, tables))
+            if self.indexer is not None:
+                with torch.no_grad():  # top-k has no gradient: nothing of the scoring is kept for backward
+                    selection = self.indexer.select(
+                        hidden, q_compressed.detach(), tables, self.arch.query_chunk
+                    )
+            else:
+                selection = EntrySelection(None, None, self.compressor.ratio)
+        return sparse_attend(
+            q,
+            keys,
+            self.arch.window,
+            self.attn_sink,
+            self.arch.head_dim**-0.5,
+            entries=entries,
+            selection=selection,
+            query_chunk=self.arch.query_chunk,
+            checkpoint=cpu_compat.recompute,
+        )
 
     def _attend(self, q: Tensor, keys: Tensor, bias: Tensor) -> Tensor:
         return attend(q, keys, bias, self.attn_sink, self.arch.head_dim**-0.5)

@@ -28,14 +28,15 @@ from transformers import DeepseekV4Config
 
 from dsv4rl.algo.grpo import token_logprobs
 from dsv4rl.algo.loss import NUM_STEP_SUMS
-from dsv4rl.config.schema import Config, Dtype, RecomputeMode
+from dsv4rl.config.schema import AttentionImpl, Config, Dtype, RecomputeMode
 from dsv4rl.model.native_checkpoint import (
     TORCH_DTYPES,
     is_native_checkpoint,
     load_hf_config,
     load_native_model,
 )
-from dsv4rl.train import update
+from dsv4rl.model.replay import ReplayCounts
+from dsv4rl.train import replay, update
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.checkpoint_dirs import FINITE
 from dsv4rl.train.megatron import checkpoint, convert
@@ -43,6 +44,7 @@ from dsv4rl.train.megatron.architecture import DeepseekV4Architecture, ParallelS
 from dsv4rl.train.megatron.model import DeepseekV4Model
 from dsv4rl.train.megatron.optimizer import build_optimizer, finalize_gradients, optimizer_config
 from dsv4rl.train.megatron.parallel import build_stage, initialize, run_pipeline
+from dsv4rl.train.megatron.replay import MicroChoices
 from dsv4rl.train.megatron.tensor_source import NativeCheckpointSource, StateDictSource, TensorSource
 from dsv4rl.train.nonfinite import require_finite_weights
 from dsv4rl.train.update import MicroBatch, MicroLoss
@@ -66,6 +68,8 @@ def parallel_sizes(cfg: Config) -> ParallelSizes:
         last_stage_layers=t.last_stage_layers,
         recompute=RecomputeMode(t.recompute),
         recompute_layers=t.recompute_granularity_layers,
+        attention=AttentionImpl.dense if t.attention == AttentionImpl.dense else AttentionImpl.sparse,
+        attention_query_chunk=t.attention_query_chunk,
     )
 
 
@@ -125,6 +129,7 @@ class MegatronBackend:
         self.updates = 0  # optimizer steps taken (the learning-rate schedule's position)
         self.nonfinite_in_a_row = 0  # optimizer steps skipped since the last one taken
         self.step = 0  # completed train_step calls
+        self.replay_counts = ReplayCounts()  # the decisions replayed this step (algo.routing_replay, ...)
         # False forces the separate old-policy forward even when the training forward could serve (tests)
         self.reuse_policy_forward = True
         self.data_parallel_rank = parallel_state.get_data_parallel_rank()
@@ -158,16 +163,25 @@ class MegatronBackend:
 
     # ------------------------------------------------------------------ forward passes
     def _pipeline_logprobs(
-        self, model: torch.nn.Module, micro: list[Tensor], temperature: float
+        self,
+        model: torch.nn.Module,
+        micro: list[Tensor],
+        temperature: float,
+        choices: list[MicroChoices | None] | None = None,
     ) -> list[Tensor]:
-        """Per-micro-batch token log-probs, on every stage (sent from the last)."""
+        """Per-micro-batch token log-probs, on every stage (sent from the last); `choices` replays the
+        rollout's routing / indexer choices (algo.routing_replay, algo.indexer_replay)."""
 
         def report(logits: Tensor, data: dict[str, Tensor]):
             logprobs = token_logprobs(logits, data["input_ids"], temperature)
             return logprobs.sum() * 0.0, torch.tensor(1), {"logprobs": logprobs}
 
         with torch.no_grad():
-            reported = run_pipeline(model, [{"input_ids": ids} for ids in micro], report, forward_only=True)
+            feeds = [
+                {"input_ids": ids, "choices": c}
+                for ids, c in zip(micro, choices or [None] * len(micro), strict=True)
+            ]
+            reported = run_pipeline(model, feeds, report, forward_only=True)
         out = []
         for index, ids in enumerate(micro):
             if self.last_stage:
@@ -193,8 +207,19 @@ class MegatronBackend:
 
     # ------------------------------------------------------------------ training (dsv4rl.train.update)
     def train_step(self, batch: TrainBatch, temperature: float | None = None) -> dict[str, float]:
-        """One rollout batch (this data-parallel replica's share): algo.updates_per_step optimizer steps."""
-        return update.train_step(self, batch, temperature)
+        """One rollout batch (this data-parallel replica's share): algo.updates_per_step optimizer steps;
+        with a replay on, the share of replayed decisions that differed (summed over every rank: each
+        counts its own tokens and layers; TP ranks repeat the indexer's, which leaves the share as is)."""
+        self.replay_counts = ReplayCounts()
+        metrics = update.train_step(self, batch, temperature)
+        return {**metrics, **replay.reduced_metrics(self.replay_counts, self.cfg.algo, self.device)}
+
+    def _choices(self, batch: TrainBatch, counts: ReplayCounts | None) -> MicroChoices | None:
+        algo = self.cfg.algo
+        if not (algo.routing_replay or algo.indexer_replay):
+            return None
+        routes, topk = replay.shaped_choices(batch, self.hf_config, algo)
+        return MicroChoices(routes, topk, counts)
 
     def data_parallel_all_reduce(
         self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
@@ -230,7 +255,8 @@ class MegatronBackend:
         self, micro: Sequence[MicroBatch], temperature: float, reference: bool = False
     ) -> list[Tensor]:
         model = self.ref_model if reference else self.ddp
-        return self._pipeline_logprobs(model, [part.batch.input_ids for part in micro], temperature)
+        choices = [self._choices(part.batch, None) for part in micro]
+        return self._pipeline_logprobs(model, [part.batch.input_ids for part in micro], temperature, choices)
 
     def forward_backward(self, micro: Sequence[MicroBatch], loss: MicroLoss) -> Tensor:
         """Megatron's schedule over the micro-batches; the loss and its sums exist on the last stage."""
@@ -241,7 +267,14 @@ class MegatronBackend:
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        feeds = [{"input_ids": part.batch.input_ids, "micro": part} for part in micro]
+        feeds = [
+            {
+                "input_ids": part.batch.input_ids,
+                "micro": part,
+                "choices": self._choices(part.batch, self.replay_counts),
+            }
+            for part in micro
+        ]
         reported = run_pipeline(self.ddp, feeds, loss_function, forward_only=False)
         sums = torch.zeros(NUM_STEP_SUMS, dtype=torch.float64, device=self.device)
         for item in reported:

@@ -28,7 +28,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from dsv4rl.model.replay import ReplayCounts
+from dsv4rl.train.megatron.replay import replayed_selection
 from dsv4rl.train.megatron.rope import RotaryTables, apply_interleaved_rope, rotate
+from dsv4rl.train.megatron.sparse_attention import EntrySelection, chunked_topk, selection_bias
 
 
 class RMSNorm(torch.nn.Module):
@@ -132,24 +135,39 @@ class Indexer(MegatronModule):
         self.compressor = Compressor(config, ratio, head_dim, rope_dim, overlap=True)
         self.linear_wq_b = linear(q_lora_rank, heads * head_dim, config.params_dtype)
         self.linear_weights_proj = linear(config.hidden_size, heads, config.params_dtype)
+        # algo.indexer_replay: the rollout's top-k [B, S, K] (dsv4rl.train.megatron.replay), set by the block
+        self.replay: Tensor | None = None
+        self.replay_counts: ReplayCounts | None = None
 
-    def forward(self, hidden: Tensor, q_compressed: Tensor, rope: RotaryTables) -> Tensor:
-        """[B, S, T] additive bias over the CSA entries: 0 for the selected, -inf elsewhere."""
+    def select(
+        self, hidden: Tensor, q_compressed: Tensor, rope: RotaryTables, query_chunk: int
+    ) -> EntrySelection:
+        """The top-k visible CSA entries of each query, scored `query_chunk` queries at a time: the
+        [B, C, H, T] float32 scores of one chunk live at once, not the [B, S, H, T] of the sequence."""
         batch, seq, _ = hidden.shape
-        keys = self.compressor(hidden, rope)
-        entries = keys.shape[1]
+        keys = self.compressor(hidden, rope).float()
         q = self.linear_wq_b(q_compressed).view(batch, seq, self.heads, self.head_dim)
         cos, sin = rope.at(torch.arange(seq, device=hidden.device))
         q = apply_interleaved_rope(q, cos, sin)
-        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))  # [B, S, H, T]
-        scores = F.relu(scores) * self.head_dim**-0.5
         weights = self.linear_weights_proj(hidden).float() * self.heads**-0.5
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # [B, S, T]
-        visible = visible_entries(seq, entries, self.ratio, hidden.device)
-        bias = hidden.new_full((batch, seq, entries), float("-inf"))
-        if entries == 0:
-            return bias
-        scores = scores.masked_fill(~visible, float("-inf"))
-        chosen = scores.topk(min(self.topk, entries), dim=-1).indices
-        selected = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True) & visible
-        return bias.masked_fill(selected, 0.0)
+
+        def scores_of(start: int, stop: int) -> Tensor:
+            scores = torch.matmul(
+                q[:, start:stop].float(), keys.transpose(-1, -2).unsqueeze(1)
+            )  # [B, C, H, T]
+            scores = F.relu(scores) * self.head_dim**-0.5
+            return (scores * weights[:, start:stop].unsqueeze(-1)).sum(dim=2)  # [B, C, T]
+
+        selection = chunked_topk(scores_of, seq, keys.shape[1], self.ratio, self.topk, query_chunk)
+        if self.replay is None:
+            return selection
+        return replayed_selection(selection, self.replay[:, :seq], keys.shape[1], self.replay_counts)
+
+    def forward(
+        self, hidden: Tensor, q_compressed: Tensor, rope: RotaryTables, query_chunk: int = 1024
+    ) -> Tensor:
+        """[B, S, T] additive bias over the CSA entries: 0 for the selected, -inf elsewhere (the dense
+        attention's form of `select`)."""
+        selection = self.select(hidden, q_compressed, rope, query_chunk)
+        entries = hidden.shape[1] // self.ratio
+        return selection_bias(selection, hidden.shape[1], entries, hidden.device).to(hidden.dtype)

@@ -89,6 +89,8 @@ GLOBAL_RULES: tuple[Rule, ...] = (
 )
 _BLOCK = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
+# Transformer Engine's grouped experts (TEGroupedMLP) hold local expert i as `linear_fc{1,2}.weight{i}`
+_GROUPED_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)")
 
 
 class UnmappedTensor(KeyError):
@@ -135,10 +137,15 @@ def placement(name: str, ranks: Ranks, num_experts: int) -> Placement:
     prefix = f"model.layers.{layer}."
     expert = None
     expert_match = _EXPERT.fullmatch(rest)
+    grouped_match = _GROUPED_EXPERT.fullmatch(rest)
     if expert_match is not None:
         local = int(expert_match.group(1))
         expert = ranks.expert * (num_experts // ranks.expert_size) + local
         rest = f"mlp.experts.local_experts.{{expert}}.{expert_match.group(2)}"
+    elif grouped_match is not None:
+        local = int(grouped_match.group(2))
+        expert = ranks.expert * (num_experts // ranks.expert_size) + local
+        rest = f"mlp.experts.local_experts.{{expert}}.{grouped_match.group(1)}.weight"
     for rule in BLOCK_RULES:
         if rule.megatron == rest:
             return Placement(tuple(prefix + hf for hf in rule.hf.split("+")), rule.split, expert)

@@ -29,13 +29,16 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import Tensor
 from transformers import DeepseekV4Config
 
+from dsv4rl.config.schema import AttentionImpl
+from dsv4rl.model.replay import NO_CHOICE
 from dsv4rl.train.megatron import cpu_compat
-from dsv4rl.train.megatron.architecture import DeepseekV4Architecture, RoutingKind
+from dsv4rl.train.megatron.architecture import AttentionKind, DeepseekV4Architecture, RoutingKind
 from dsv4rl.train.megatron.attention import DeepseekV4Attention
 from dsv4rl.train.megatron.compressor import RMSNorm
 from dsv4rl.train.megatron.convert import padded_vocab
 from dsv4rl.train.megatron.hyper_connection import HyperConnection, HyperHead, expand
 from dsv4rl.train.megatron.moe import HashRouter, moe_spec
+from dsv4rl.train.megatron.replay import MicroChoices
 from dsv4rl.train.megatron.rope import RotaryTables, rotary_tables
 
 
@@ -60,6 +63,8 @@ class DeepseekV4Block(MegatronModule):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.norm_eps)
         self.pre_mlp_layernorm = RMSNorm(arch.hidden_size, arch.norm_eps)
         self.self_attention = DeepseekV4Attention(config, arch, layer_index)
+        # this layer's place among the CSA layers: its column of the indexer choices SGLang returns
+        self.csa_slot = arch.attention_kinds[:layer_index].count(AttentionKind.csa)
         hash_routed = arch.routing_kinds[layer_index] == RoutingKind.hash
         # megatron's MoE layer expects sequence-parallel input under TP (each rank its own tokens);
         # the attention is not sequence-parallel, so the block splits the tokens around the MoE only
@@ -68,7 +73,7 @@ class DeepseekV4Block(MegatronModule):
             dataclasses.replace(config, sequence_parallel=True) if self.tensor_parallel_size > 1 else config
         )
         self.mlp = build_module(
-            moe_spec(hash_routed, arch.vocab_size, arch.route_scale),
+            moe_spec(hash_routed, arch.vocab_size, arch.route_scale, grouped=config.moe_grouped_gemm),
             config=moe_config,
             layer_number=layer_index + 1,
         )
@@ -77,16 +82,29 @@ class DeepseekV4Block(MegatronModule):
         for parameter in self.mlp.experts.parameters():
             parameter.allreduce = False
 
-    def forward(self, streams: Tensor, token_ids: Tensor, rope: dict[str, RotaryTables]) -> Tensor:
+    def forward(
+        self,
+        streams: Tensor,
+        token_ids: Tensor,
+        rope: dict[str, RotaryTables],
+        choices: MicroChoices | None = None,
+    ) -> Tensor:
         post, comb, collapsed = self.self_attention_hyper_connection(streams)
-        attended = self.self_attention(self.input_layernorm(collapsed), rope)
+        indexer = self.self_attention.indexer
+        if indexer is not None and choices is not None and choices.topk is not None:
+            indexer.replay, indexer.replay_counts = choices.topk[:, :, self.csa_slot], choices.counts
+        try:
+            attended = self.self_attention(self.input_layernorm(collapsed), rope)
+        finally:
+            if indexer is not None:
+                indexer.replay = indexer.replay_counts = None
         streams = expand(post, comb, attended, streams)
 
         post, comb, collapsed = self.mlp_hyper_connection(streams)
-        mixed = self._moe(self.pre_mlp_layernorm(collapsed), token_ids)
+        mixed = self._moe(self.pre_mlp_layernorm(collapsed), token_ids, choices)
         return expand(post, comb, mixed, streams)
 
-    def _moe(self, hidden: Tensor, token_ids: Tensor) -> Tensor:
+    def _moe(self, hidden: Tensor, token_ids: Tensor, choices: MicroChoices | None = None) -> Tensor:
         """The MoE layer on this rank's share of the tokens ([B, S, D] in and out, replicated over TP)."""
         shape = hidden.shape
         tokens, ids = hidden.reshape(-1, shape[-1]), token_ids.reshape(-1)
@@ -99,11 +117,21 @@ class DeepseekV4Block(MegatronModule):
         router = self.mlp.router
         if isinstance(router, HashRouter):
             router.token_ids = ids
+        elif choices is not None and choices.routes is not None:  # this rank's tokens, as the ids
+            routes = choices.routes[:, : shape[1], self.layer_index].reshape(shape[0] * shape[1], -1)
+            if self.tensor_parallel_size > 1:
+                routes = torch.nn.functional.pad(routes, (0, 0, 0, pad), value=NO_CHOICE)
+                routes = routes.chunk(self.tensor_parallel_size)[
+                    parallel_state.get_tensor_model_parallel_rank()
+                ]
+            router.replay, router.replay_counts = routes.to(tokens.device), choices.counts
         try:
             mixed, _ = self.mlp(tokens)
         finally:
             if isinstance(router, HashRouter):
                 router.token_ids = None
+            else:
+                router.replay = router.replay_counts = None
         if self.tensor_parallel_size > 1:
             mixed = tensor_parallel.gather_from_sequence_parallel_region(
                 mixed, tensor_parallel_output_grad=False
@@ -113,10 +141,14 @@ class DeepseekV4Block(MegatronModule):
 
 
 def _run_blocks(
-    blocks: list[DeepseekV4Block], streams: Tensor, token_ids: Tensor, rope: dict[str, RotaryTables]
+    blocks: list[DeepseekV4Block],
+    streams: Tensor,
+    token_ids: Tensor,
+    rope: dict[str, RotaryTables],
+    choices: MicroChoices | None = None,
 ) -> Tensor:
     for block in blocks:
-        streams = block(streams, token_ids, rope)
+        streams = block(streams, token_ids, rope, choices)
     return streams
 
 
@@ -156,7 +188,13 @@ class DeepseekV4Decoder(MegatronModule):
                 )
         return sharded
 
-    def forward(self, streams: Tensor, token_ids: Tensor, rope: dict[str, RotaryTables]) -> Tensor:
+    def forward(
+        self,
+        streams: Tensor,
+        token_ids: Tensor,
+        rope: dict[str, RotaryTables],
+        choices: MicroChoices | None = None,
+    ) -> Tensor:
         blocks = list(self.layers)
         if self.config.recompute_granularity == "full" and torch.is_grad_enabled():
             # full recompute: keep only each chunk's input, `recompute_num_layers` blocks a chunk
@@ -164,10 +202,10 @@ class DeepseekV4Decoder(MegatronModule):
             for start in range(0, len(blocks), size):
                 chunk = blocks[start : start + size]
                 streams = cpu_compat.recompute(
-                    lambda s, t, chunk=chunk: _run_blocks(chunk, s, t, rope), streams, token_ids
+                    lambda s, t, chunk=chunk: _run_blocks(chunk, s, t, rope, choices), streams, token_ids
                 )
         else:
-            streams = _run_blocks(blocks, streams, token_ids, rope)
+            streams = _run_blocks(blocks, streams, token_ids, rope, choices)
         if self.post_process:
             return self.final_layernorm(self.hc_head(streams))
         return streams
@@ -183,11 +221,14 @@ class DeepseekV4Model(MegatronModule):
         hf_config: DeepseekV4Config,
         pre_process: bool = True,
         post_process: bool = True,
+        attention: AttentionImpl = AttentionImpl.sparse,
+        query_chunk: int = 256,
     ) -> None:
         super().__init__(config)
         self.model_type = ModelType.encoder_or_decoder  # what megatron's schedules ask of a model
         self.share_embeddings_and_output_weights = False  # DeepSeek-V4's head is its own tensor
-        self.arch = DeepseekV4Architecture.from_hf(hf_config)
+        arch = DeepseekV4Architecture.from_hf(hf_config)
+        self.arch = dataclasses.replace(arch, attention=AttentionImpl(attention), query_chunk=query_chunk)
         self.pre_process, self.post_process = pre_process, post_process
         self.rope = torch.nn.ModuleDict(rotary_tables(hf_config))
         vocab = padded_vocab(self.arch.vocab_size, config.tensor_model_parallel_size)
@@ -224,7 +265,8 @@ class DeepseekV4Model(MegatronModule):
         n = self.arch.hc_mult
         return tensor.reshape(total // n, n, batch, dim).permute(2, 0, 1, 3)
 
-    def forward(self, token_ids: Tensor) -> Tensor:
+    def forward(self, token_ids: Tensor, choices: MicroChoices | None = None) -> Tensor:
+        """`choices`: the rollout's routing / indexer choices to replay (dsv4rl.train.megatron.replay)."""
         rope = dict(self.rope.items())
         if self.pre_process:
             embedded = self.embedding.word_embeddings(token_ids)
@@ -233,7 +275,7 @@ class DeepseekV4Model(MegatronModule):
             if self.input_tensor is None:
                 raise RuntimeError("a later pipeline stage needs set_input_tensor before forward")
             streams = self.from_pipeline(self.input_tensor)
-        hidden = self.decoder(streams, token_ids, rope)
+        hidden = self.decoder(streams, token_ids, rope, choices)
         if not self.post_process:
             return self.to_pipeline(hidden)
         logits, _ = self.output_layer(hidden)

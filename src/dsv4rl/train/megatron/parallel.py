@@ -62,6 +62,8 @@ def build_stage(
         hf_config,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
+        attention=sizes.attention,
+        query_chunk=sizes.attention_query_chunk,
     )
 
 
@@ -84,7 +86,7 @@ def run_pipeline(
 
     def forward_step(data: Iterator[dict[str, Tensor]], stage: torch.nn.Module):
         micro = next(data)
-        output = stage(micro["input_ids"])
+        output = stage(micro["input_ids"], micro.get("choices"))  # choices: the replays (replay.py)
         return output, lambda logits: loss_function(logits, micro)
 
     return get_forward_backward_func()(
