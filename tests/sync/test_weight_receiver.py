@@ -19,7 +19,10 @@ from dsv4rl.engine.weight_receiver import WeightReceiver
 from dsv4rl.engine.weight_store import DeepseekWeights
 from dsv4rl.model.naming import native_slot, slot_view
 from dsv4rl.model.native_checkpoint import dequantized_native_state
+from dsv4rl.model.tokenizer import build_char_tokenizer
 from dsv4rl.wire.layout import bucket_metadata, sort_for_flattening
+
+VOCAB = len(build_char_tokenizer())  # the tiny model's vocabulary: its embedding rows, tid2eid's rows
 
 GROUP = "receiver_test_group"
 QUANT = "fp8_mxfp4"
@@ -97,8 +100,8 @@ BAD_REQUESTS = [
     ({"shapes": [[64, 1]]}, r"holds bfloat16 \[64\] .* sends bfloat16 \[64, 1\]"),
     ({"dtypes": ["float32"]}, r"norm.weight: the engine holds bfloat16 \[64\] \(it serves fp8_mxfp4\)"),
     (
-        {"names": ["layers.0.ffn.gate.tid2eid"], "dtypes": ["int32"], "shapes": [[27, 2]]},
-        r"holds int64 \[27, 2\] .* sends int32",
+        {"names": ["layers.0.ffn.gate.tid2eid"], "dtypes": ["int32"], "shapes": [[VOCAB, 2]]},
+        rf"holds int64 \[{VOCAB}, 2\] .* sends int32",
     ),
     (  # BF16 into an FP8 weight: SGLang would refuse partway ("Downcasting not allowed") or cast silently
         {

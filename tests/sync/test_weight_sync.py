@@ -20,6 +20,7 @@ from sync_helpers import TRAINER_SEED, free_port, quantized_copy, trainer_model,
 
 from dsv4rl.config.schema import QuantConfig, QuantMode, RolloutEngineKind, SyncConfig
 from dsv4rl.engine.sglang_contract import load_contract, request_problems
+from dsv4rl.model.tokenizer import build_char_tokenizer
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.sync.served_format import check_served_formats
 from dsv4rl.sync.weight_sync import SyncStats, WeightSync, WeightSyncError
@@ -313,7 +314,8 @@ def test_a_format_the_engine_does_not_hold_is_refused_before_any_byte(quantized_
                 sync.clients, QuantConfig(), RolloutEngineKind.reference, {}, "/nonexistent", loop
             )
         # Pushing anyway (no wire format): refused on the first tensor, naming it and both formats.
-        pattern = r"embed\.weight: the engine holds bfloat16 \[27, 64\].*fp8_mxfp4.*sends float32 \[27, 64\]"
+        shape = rf"\[{len(build_char_tokenizer())}, 64\]"
+        pattern = rf"embed\.weight: the engine holds bfloat16 {shape}.*fp8_mxfp4.*sends float32 {shape}"
         with pytest.raises(WeightSyncError, match=pattern):
             sync.push(trainer_model(TRAINER_SEED).state_dict().items(), "never")
     finally:
