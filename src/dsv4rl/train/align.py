@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from dsv4rl.algo.mismatch import abs_diff_summary
-from dsv4rl.config.schema import Config
+from dsv4rl.config.schema import Config, SamplingConfig
 from dsv4rl.data.datasets import problem_source
 from dsv4rl.data.stream import PromptStream
 from dsv4rl.rollout.generate import generate_samples, rollout_seed
+from dsv4rl.rollout.types import Sample
 from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.train.backend import TrainerBackend
 from dsv4rl.train.batch import TrainBatch
@@ -30,6 +31,31 @@ from dsv4rl.train.loop import Driver
 
 log = logging.getLogger("dsv4rl.align")
 REPORT_FILE = "align.json"
+
+
+def align_sampling(cfg: Config) -> SamplingConfig:
+    """The rollout's sampling, with `align.max_new_tokens` when set."""
+    if cfg.align.max_new_tokens is None:
+        return cfg.algo.sampling
+    return replace(cfg.algo.sampling, max_new_tokens=cfg.align.max_new_tokens)
+
+
+def align_samples(cfg: Config, driver: Driver) -> list[Sample]:
+    """What the engines sample for the align prompts (`align.prompts` x `align.samples_per_prompt`)."""
+    problems = PromptStream(
+        problem_source(cfg.data, cfg.seed), cfg.align.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle
+    ).next_batch()
+    return driver.event_loop.run_until_complete(
+        generate_samples(
+            driver.clients,
+            problems,
+            driver.tokenizer,
+            cfg.align.samples_per_prompt,
+            align_sampling(cfg),
+            seed=rollout_seed(cfg.seed, 0) if cfg.engine.reproducible_sampling else None,
+            renderer=driver.renderer,
+        )
+    )
 
 
 def worst_tokens(
@@ -69,26 +95,10 @@ def run_align(
     stats = weight_sync.push(named, version="align", record_checksums=cfg.sync.verify.checksum)
     if driver is not None and cfg.sync.verify.checksum:
         driver.verifier.check_checksums(stats.checksums, 0)
-    sampling = cfg.algo.sampling
-    if cfg.align.max_new_tokens is not None:
-        sampling = replace(sampling, max_new_tokens=cfg.align.max_new_tokens)
+    sampling = align_sampling(cfg)
     box: list[Any] = [None]
     if driver is not None:
-        problems = PromptStream(
-            problem_source(cfg.data, cfg.seed), cfg.align.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle
-        ).next_batch()
-        samples = driver.event_loop.run_until_complete(
-            generate_samples(
-                driver.clients,
-                problems,
-                driver.tokenizer,
-                cfg.align.samples_per_prompt,
-                sampling,
-                seed=rollout_seed(cfg.seed, 0) if cfg.engine.reproducible_sampling else None,
-                renderer=driver.renderer,
-            )
-        )
-        box[0] = TrainBatch.from_samples(samples, pad_id=driver.tokenizer.pad_token_id)
+        box[0] = TrainBatch.from_samples(align_samples(cfg, driver), pad_id=driver.tokenizer.pad_token_id)
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     batch: TrainBatch = box[0]

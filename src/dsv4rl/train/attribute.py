@@ -38,14 +38,11 @@ from dsv4rl.algo.attribution import (
 )
 from dsv4rl.algo.mismatch import abs_diff_summary
 from dsv4rl.config.schema import AlignFeature, Config, NumericsFeature
-from dsv4rl.data.datasets import problem_source
-from dsv4rl.data.stream import PromptStream
 from dsv4rl.model.sglang_numerics import apply_trainer_numerics
 from dsv4rl.rollout.choices import ChoiceRequest, attach_choices
-from dsv4rl.rollout.generate import generate_samples, rollout_seed
 from dsv4rl.rollout.types import Sample
 from dsv4rl.sync.stages import StagedWeightSync
-from dsv4rl.train.align import worst_tokens
+from dsv4rl.train.align import align_samples, worst_tokens
 from dsv4rl.train.backend import TrainerBackend
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.loop import Driver
@@ -78,23 +75,7 @@ def fixed_sequences(
 
 def sample_sequences(cfg: Config, driver: Driver) -> list[tuple[list[int], list[int]]]:
     """The responses the engines sample for the align prompts, as (prompt ids, response ids)."""
-    sampling = cfg.algo.sampling
-    if cfg.align.max_new_tokens is not None:
-        sampling = replace(sampling, max_new_tokens=cfg.align.max_new_tokens)
-    problems = PromptStream(
-        problem_source(cfg.data, cfg.seed), cfg.align.prompts, seed=cfg.seed, shuffle=cfg.data.shuffle
-    ).next_batch()
-    samples = driver.event_loop.run_until_complete(
-        generate_samples(
-            driver.clients,
-            problems,
-            driver.tokenizer,
-            cfg.align.samples_per_prompt,
-            sampling,
-            seed=rollout_seed(cfg.seed, 0) if cfg.engine.reproducible_sampling else None,
-            renderer=driver.renderer,
-        )
-    )
+    samples = align_samples(cfg, driver)
     return [(s.prompt_ids, s.response_ids) for s in samples if s.response_ids]
 
 
