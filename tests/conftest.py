@@ -9,6 +9,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 from dsv4rl.model.model_dir import CACHE_ENV
 
 _made: list[str] = []
@@ -23,3 +25,14 @@ def pytest_configure(config) -> None:
 def pytest_unconfigure(config) -> None:
     for path in _made:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def sglang_sides():
+    """SGLang 0.5.23's interpreter for the `sglang` group (tests/sglang_runner.py): `sglang_sides.get(env)`
+    is a worker started with those environment variables, shared by the session."""
+    from sglang_runner import SGLangSides
+
+    sides = SGLangSides()
+    yield sides
+    sides.close()

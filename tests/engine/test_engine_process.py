@@ -74,10 +74,13 @@ def test_config_file_flags_merge_like_sglang(tmp_path):
     from dsv4rl.engine.args import parse_args
 
     config = tmp_path / "flags.yaml"
-    config.write_text("admin_api_key: k\nrandom_seed: 5\nenable_deterministic_inference: true\n")
+    config.write_text("admin-api-key: k\nrandom-seed: 5\nenable-deterministic-inference: true\n")
     args = parse_args(["--model-path", "m", "--config", str(config), "--random-seed", "9"])
     assert args["admin_api_key"] == "k" and args["enable_deterministic_inference"] is True
     assert args["random_seed"] == 9  # the command line wins over the file
-    config.write_text("no_such_flag: 1\n")
-    with pytest.raises(SystemExit, match="unknown option 'no_such_flag'"):
+    config.write_text("no-such-flag: 1\n")
+    with pytest.raises(SystemExit, match="unknown option 'no-such-flag'"):
+        parse_args(["--model-path", "m", "--config", str(config)])
+    config.write_text("admin_api_key: k\n")  # SGLang would pass on --admin_api_key, which no parser knows
+    with pytest.raises(SystemExit, match="spelled with dashes: 'admin-api-key'"):
         parse_args(["--model-path", "m", "--config", str(config)])

@@ -9,12 +9,14 @@ import copy
 import io
 import json
 import re
+import tempfile
 import zipfile
 from pathlib import Path
 
 import fastapi.routing
 import httpx
 import pytest
+import yaml
 from fastapi.routing import APIRoute
 
 from dsv4rl.config.compose import compose
@@ -31,6 +33,7 @@ from dsv4rl.engine.sglang_contract import (
 from dsv4rl.launcher.engine_python import SGLANG_VERSION
 from dsv4rl.launcher.plan import build_local_plan
 from dsv4rl.rollout.client import EngineClient
+from dsv4rl.rollout.engine_keys import ensure_engine_keys_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTRACT = load_contract()
@@ -126,7 +129,9 @@ def sglang_plan_argvs() -> list[list[str]]:
 
 def problems_of_planner(contract: dict) -> list[str]:
     problems = [p for argv in sglang_plan_argvs() for p in flag_problems(contract, argv)]
-    return problems + config_file_problems(contract, {"api_key": "user", "admin_api_key": "secret"})
+    with tempfile.TemporaryDirectory() as run_dir:  # the keys file exactly as dsv4rl writes it
+        keys = yaml.safe_load(ensure_engine_keys_file(Path(run_dir), env={}).read_text())
+    return problems + config_file_problems(contract, keys)
 
 
 def served_routes(app) -> dict[str, set[str]]:

@@ -39,8 +39,8 @@ def test_random_keys_are_created_once_with_mode_0600(tmp_path: Path) -> None:
     assert len(keys.api_key) == len(keys.admin_api_key) == 64 and keys.api_key != keys.admin_api_key
     assert not keys.api_key.startswith("-") and not keys.admin_api_key.startswith("-")
     assert ensure_engine_keys_file(tmp_path, env={}) == path and read_engine_keys(path) == keys  # kept
-    # what SGLang's --config reads: flag names as keys
-    assert yaml.safe_load(path.read_text()) == {"api_key": keys.api_key, "admin_api_key": keys.admin_api_key}
+    # what SGLang's --config reads: the flags' spellings as keys (it passes each on as `--<key>`)
+    assert yaml.safe_load(path.read_text()) == {"api-key": keys.api_key, "admin-api-key": keys.admin_api_key}
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
 
 
@@ -74,9 +74,14 @@ def test_keys_others_can_read_are_refused(tmp_path: Path) -> None:
     os.chmod(path, 0o644)
     with pytest.raises(EngineKeysError, match="readable by others.*chmod 600"):
         read_engine_keys(path)
-    path.write_text("admin_api_key: x\n")
+    path.write_text("admin-api-key: x\n")
     os.chmod(path, 0o600)
-    with pytest.raises(EngineKeysError, match="lacks api_key or admin_api_key"):
+    with pytest.raises(EngineKeysError, match="lacks api-key or admin-api-key: delete it"):
+        read_engine_keys(path)
+    path.write_text(
+        "admin_api_key: x\napi_key: y\n"
+    )  # an earlier dsv4rl's spelling, which SGLang cannot read
+    with pytest.raises(EngineKeysError, match="earlier dsv4rl with underscores"):
         read_engine_keys(path)
 
 

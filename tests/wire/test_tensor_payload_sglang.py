@@ -1,12 +1,11 @@
 """The colocated payload as SGLang 0.5.23 itself opens it: the released wheel's MultiprocessingSerializer
-(its allow-listing SafeUnpickler) and FlattenedTensorBucket, in the SGLang environment's own interpreter and
-torch (`make install-sglang`), rebuild the tensors the trainer shared, bit for bit, in both load formats.
-Skipped where that environment is not installed; ~30 s (importing sglang)."""
+(its allow-listing SafeUnpickler) and FlattenedTensorBucket, in SGLang's own interpreter and torch
+(`tests/sglang_runner.py`), rebuild the tensors the trainer shared, bit for bit, in both load formats."""
 
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 from pathlib import Path
 
 import pytest
@@ -14,32 +13,12 @@ import torch
 
 from dsv4rl.wire.layout import sort_for_flattening
 from dsv4rl.wire.tensor_payload import pack_bucket, serialize
+from sglang_runner import needs_sglang
 
-SGLANG_PYTHON = Path(__file__).resolve().parents[2] / ".venv-sglang" / "bin" / "python"
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason="no .venv-sglang (make install-sglang)"),
-]
-
-OPEN = """
-import json, sys, torch
-from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payload
-from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
-out = {}
-for fmt, entry in json.load(open(sys.argv[1])).items():
-    obj = MultiprocessingSerializer.deserialize(normalize_serialized_named_tensor_payload(entry))
-    if fmt == "flattened_bucket":  # as model_runner's _update_weights_from_flattened_bucket converts it
-        meta = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
-                                        end_idx=m.end_idx, numel=m.numel) for m in obj["metadata"]]
-        bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=meta)
-        obj = bucket.reconstruct_tensors()
-    out[fmt] = {name: [str(t.dtype), list(t.shape), t.contiguous().view(torch.uint8).flatten().tolist()]
-                for name, t in obj}
-print(json.dumps(out))
-"""
+pytestmark = [*needs_sglang, pytest.mark.slow]
 
 
-def test_sglang_opens_the_payload_bit_for_bit(tmp_path: Path) -> None:
+def test_sglang_opens_the_payload_bit_for_bit(tmp_path: Path, sglang_sides) -> None:
     generator = torch.Generator().manual_seed(0)
     bucket = sort_for_flattening([
         ("layers.0.attn.wq_a.weight", torch.randn(8, 4, generator=generator).to(torch.float8_e4m3fn)),
@@ -57,14 +36,7 @@ def test_sglang_opens_the_payload_bit_for_bit(tmp_path: Path) -> None:
         keep.append(buffer)  # alive until SGLang's side has opened it
         entries[load_format] = serialize(payload)
     (tmp_path / "payloads.json").write_text(json.dumps(entries))
-    script = tmp_path / "open.py"
-    script.write_text(OPEN)
-    result = subprocess.run(
-        [str(SGLANG_PYTHON), str(script), str(tmp_path / "payloads.json")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    opened = json.loads(result.stdout.strip().splitlines()[-1])
+    opened = sglang_sides.get().call("tensor_payload:open_payloads", path=str(tmp_path / "payloads.json"))
     expected = {
         name: [str(t.dtype), list(t.shape), t.contiguous().view(torch.uint8).flatten().tolist()]
         for name, t in bucket
@@ -72,36 +44,18 @@ def test_sglang_opens_the_payload_bit_for_bit(tmp_path: Path) -> None:
     assert opened == {"null": expected, "flattened_bucket": expected}
 
 
-UUID_CHECK = """
-import json, sys, torch
-from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payload
-from sglang.srt.utils.patch_torch import _REDUCE_TENSOR_ARG_DEVICE_INDEX, monkey_patch_torch_reductions
-out = {"device_arg": _REDUCE_TENSOR_ARG_DEVICE_INDEX, "values": None}
-if len(sys.argv) > 1:  # a CUDA payload: opened as SGLang's scheduler opens it (its reductions patched)
-    monkey_patch_torch_reductions()
-    entry = json.load(open(sys.argv[1]))
-    obj = MultiprocessingSerializer.deserialize(normalize_serialized_named_tensor_payload(entry))
-    out["values"] = {name: t.cpu().tolist() for name, t in obj}
-print(json.dumps(out))
-"""
-
-
-def test_sglang_reads_the_device_where_the_payload_puts_its_uuid(tmp_path: Path) -> None:
+def test_sglang_reads_the_device_where_the_payload_puts_its_uuid(tmp_path: Path, sglang_sides) -> None:
     """SGLang's patched rebuild reads the device at the argument the trainer replaces; with a GPU on both
     sides, SGLang opens a CUDA payload whose handle names the device by UUID."""
     from dsv4rl.wire.tensor_payload import CUDA_DEVICE_ARG
 
-    script = tmp_path / "uuid.py"
-    script.write_text(UUID_CHECK)
-    argv = [str(SGLANG_PYTHON), str(script)]
-    keep = None
-    if torch.cuda.is_available():
+    path, keep, env = None, None, {}
+    if torch.cuda.is_available():  # SGLang's side then sees the GPU too (the group's workers see none)
         payload, keep = pack_bucket([("norm.weight", torch.arange(4.0))], None, torch.device("cuda", 0))
-        (tmp_path / "payload.json").write_text(json.dumps(serialize(payload)))
-        argv.append(str(tmp_path / "payload.json"))
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    opened = json.loads(result.stdout.strip().splitlines()[-1])
+        path = tmp_path / "payload.json"
+        path.write_text(json.dumps(serialize(payload)))
+        env = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+    opened = sglang_sides.get(env).call("tensor_payload:device_arg", path=None if path is None else str(path))
     assert opened["device_arg"] == CUDA_DEVICE_ARG
     if keep is not None:
         assert opened["values"] == {"norm.weight": [0.0, 1.0, 2.0, 3.0]}

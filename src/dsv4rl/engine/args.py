@@ -133,14 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="SGLang's flag: fp32 LM head output (with --numerics sglang the logits are not rounded to bf16)",
     )
     parser.add_argument(
-        "--config", default=None, help="YAML file of flags (keys as dest names), as in SGLang"
+        "--config",
+        default=None,
+        help="YAML file of flags (keys spelled as the flags, without --), as in SGLang",
     )
     return parser
 
 
 def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """SGLang's `--config FILE`: the file's `key: value` pairs become flags placed before the command line's
-    (which wins). Keys are flag names with underscores; `true` booleans become bare flags."""
+    (which wins). As in SGLang 0.5.23 (`srt/utils/server_args_config_parser.py`) each key becomes `--<key>`
+    verbatim, so keys are the flags' spellings (`admin-api-key`); `true` booleans become bare flags."""
     if "--config" not in argv:
         return argv
     if argv.count("--config") > 1:
@@ -153,7 +156,7 @@ def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[
     if not isinstance(data, dict):
         raise SystemExit(f"--config {path}: expected a YAML mapping of flag names to values")
     flags: dict[str, argparse.Action] = {
-        option[2:].replace("-", "_"): action
+        option[2:]: action
         for action in parser._actions
         for option in action.option_strings
         if option.startswith("--")
@@ -162,11 +165,13 @@ def merge_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[
     for key, value in data.items():
         action = flags.get(str(key))
         if action is None or key == "config":
-            raise SystemExit(f"--config {path}: unknown option {key!r}")
+            dashed = str(key).replace("_", "-")
+            hint = f" (flags are spelled with dashes: {dashed!r})" if dashed in flags else ""
+            raise SystemExit(f"--config {path}: unknown option {key!r}{hint}")
         if isinstance(action, argparse._StoreTrueAction):
-            merged += [action.option_strings[0]] if value else []
+            merged += [f"--{key}"] if value else []
         else:
-            merged += [action.option_strings[0], str(value)]
+            merged += [f"--{key}", str(value)]
     return merged + argv[:index] + argv[index + 2 :]
 
 

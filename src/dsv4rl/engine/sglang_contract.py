@@ -417,12 +417,15 @@ def flag_problems(contract: dict, argv: list[str]) -> list[str]:
 
 
 def config_file_problems(contract: dict, data: dict) -> list[str]:
-    """Keys of a `--config` YAML file SGLang would not map to a flag (it takes dest names)."""
-    dests = {spec["dest"] for spec in contract["server_flags"].values()}
+    """Keys of a `--config` YAML file SGLang would not map to a flag: it passes each key on as `--<key>`
+    verbatim, so a key is a flag's spelling without the dashes in front (`admin-api-key`, not the dest)."""
+    spellings = {
+        alias for flag, spec in contract["server_flags"].items() for alias in [flag, *spec["aliases"]]
+    }
     return [
-        f"--config key {key!r} is not a flag of SGLang {contract['sglang']}"
+        f"--config key {key!r} is not a flag of SGLang {contract['sglang']} (it becomes --{key})"
         for key in data
-        if key not in dests
+        if f"--{key}" not in spellings
     ]
 
 

@@ -183,7 +183,7 @@ def _shared_engine_flags(cfg: Config, run_dir: Path) -> list[str]:
     if cfg.parallel.colocate:
         flags.append("--enable-memory-saver")
     if engines_need_keys(cfg):
-        flags += ["--config", str(engine_keys_file(run_dir))]  # {api_key, admin_api_key}, mode 0600
+        flags += ["--config", str(engine_keys_file(run_dir))]  # {api-key, admin-api-key}, mode 0600
     return flags
 
 

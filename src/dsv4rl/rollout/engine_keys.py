@@ -8,8 +8,10 @@ such engines get both keys, and only the run's trainer holds them.
 
 The keys are per run: the admin key is $DSV4RL_ENGINE_ADMIN_API_KEY when set (the same on every node), the
 api key $DSV4RL_ENGINE_API_KEY, each else random. They live in `<run.dir>/engine-keys.yaml` (mode 0600),
-a file SGLang reads with `--config` (keys as flag names, so nothing shows in `ps`) and the trainer reads
-from the run dir.
+a file SGLang reads with `--config` (so nothing shows in `ps`) and the trainer reads from the run dir.
+Its keys are spelled as the flags are, `api-key` and `admin-api-key`: SGLang 0.5.23 turns each key into
+`--<key>` verbatim (`sglang/srt/utils/server_args_config_parser.py`, `_add_scalar_arg`), and argparse knows
+no `--admin_api_key`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ ADMIN_KEY_ENV = "DSV4RL_ENGINE_ADMIN_API_KEY"  # set it to choose the admin key 
 API_KEY_ENV = "DSV4RL_ENGINE_API_KEY"
 KEYS_FILE = "engine-keys.yaml"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# EngineKeys field -> the key in the file (the flag's spelling without `--`)
+FILE_KEYS = {"api_key": "api-key", "admin_api_key": "admin-api-key"}
 
 
 class EngineKeysError(ValueError):
@@ -68,7 +72,9 @@ def ensure_engine_keys_file(run_dir: Path, env: Mapping[str, str] | None = None)
     env_names = {"api_key": API_KEY_ENV, "admin_api_key": ADMIN_KEY_ENV}
     wanted = {name: _chosen(env, env_name) for name, env_name in env_names.items()}
     if not path.exists():
-        keys = {name: key or secrets.token_hex(32) for name, key in wanted.items()}  # hex: never "-..."
+        keys = {
+            FILE_KEYS[name]: key or secrets.token_hex(32) for name, key in wanted.items()
+        }  # hex: never "-..."
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".engine-keys.")  # mode 0600
         try:
             with os.fdopen(fd, "w") as handle:
@@ -101,12 +107,18 @@ def read_engine_keys(path: Path) -> EngineKeys:
             f"`chmod 600 {path}`, or delete it to get new keys"
         )
     if not isinstance(data, dict) or not all(
-        isinstance(data.get(k), str) and data[k] for k in ("api_key", "admin_api_key")
+        isinstance(data.get(k), str) and data[k] for k in FILE_KEYS.values()
     ):
-        raise EngineKeysError(
-            f"{path} lacks api_key or admin_api_key: delete it and start again for new keys"
+        older = isinstance(data, dict) and any(k in data for k in FILE_KEYS)
+        why = (
+            " (written by an earlier dsv4rl with underscores, which SGLang's --config cannot read)"
+            if older
+            else ""
         )
-    return EngineKeys(api_key=data["api_key"], admin_api_key=data["admin_api_key"])
+        raise EngineKeysError(
+            f"{path} lacks api-key or admin-api-key{why}: delete it and start again for new keys"
+        )
+    return EngineKeys(api_key=data[FILE_KEYS["api_key"]], admin_api_key=data[FILE_KEYS["admin_api_key"]])
 
 
 def run_engine_keys(cfg: Config, run_dir: Path) -> EngineKeys | None:
