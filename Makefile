@@ -22,7 +22,7 @@ INSTALL_TE := $(if $(GPU),$(if $(findstring rocm,$(TORCH_INDEX)),,1))
 SGLANG_SPEC ?= sglang==0.5.23
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: install install-sglang sglang-contract test test-fast lint demo bench bench-quant clean
+.PHONY: install install-sglang sglang-contract test test-fast test-sglang lint demo bench bench-quant clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,11 +34,10 @@ install: $(PY)
 	$(if $(INSTALL_TE),$(PY) -m pip install setuptools wheel)
 	$(if $(INSTALL_TE),$(PY) -m pip install --no-build-isolation "$(TE_SPEC)")
 
-# The engines' interpreter (engine.python): SGLang with exactly its own pins; not part of `make install` or CI.
+# The engines' interpreter (engine.python): SGLang with exactly its own pins, built once per machine in
+# $DSV4RL_SGLANG_CACHE (~/.cache/dsv4rl) and linked here; the `sglang` test group runs in it (CI too).
 install-sglang:
-	$(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/python -m pip install --upgrade pip
-	$(SGLANG_VENV)/bin/python -m pip install "$(SGLANG_SPEC)"
+	bash launch/install_sglang.sh $(SGLANG_VENV) "$(SGLANG_SPEC)" $(PYTHON)
 
 # Re-read SGLang's HTTP routes, request fields, sampling keys and server flags from its released wheel
 # (downloaded, never installed) into src/dsv4rl/engine/sglang_contract.json; then `make test` says what moved.
@@ -52,6 +51,10 @@ test:
 
 test-fast:
 	$(PY) -m pytest -q -m "not slow"
+
+# dsv4rl's output through SGLang 0.5.23's own code, in its interpreter (after `make install-sglang`)
+test-sglang:
+	$(PY) -m pytest -q -m sglang
 
 lint:
 	$(PY) -m ruff check src tests bench

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from multiprocessing.connection import Listener
@@ -69,37 +71,36 @@ class SGLangSide:
         self._proc.stdin.write(authkey.hex() + "\n")
         self._proc.stdin.close()
         self._conn = None
+        self._closed = False
         self._conn = self._accept(timeout_s=300)
         hello = self._receive(timeout_s=300)
         self.version = hello["ready"]
         if self.version != VERSION:
             raise RuntimeError(f"{SGLANG_PYTHON} has sglang {self.version}; these tests are for {VERSION}")
 
+    def _check(self, deadline: float, waiting_for: str) -> None:
+        """Raise, with the worker's log, when it died or `deadline` passed while waiting."""
+        if self._proc.poll() is not None:
+            raise RuntimeError(f"SGLang's interpreter exited ({self._proc.returncode}): {self.log_tail()}")
+        if time.monotonic() > deadline:
+            self.close()
+            raise TimeoutError(f"no {waiting_for} from SGLang's interpreter in time: {self.log_tail()}")
+
     def _accept(self, timeout_s: float):
-        sock = self._listener._listener._socket  # accept with a deadline: the worker may die first
-        sock.settimeout(1.0)
+        accepted: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: accepted.update(conn=self._listener.accept()), daemon=True)
+        thread.start()
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(
-                    f"SGLang's interpreter exited ({self._proc.returncode}): {self.log_tail()}"
-                )
-            try:
-                return self._listener.accept()
-            except TimeoutError:
-                continue
-        raise TimeoutError(f"SGLang's interpreter did not connect in {timeout_s:.0f} s: {self.log_tail()}")
+        while True:
+            thread.join(1.0)
+            if not thread.is_alive():
+                return accepted["conn"]
+            self._check(deadline, "connection")
 
     def _receive(self, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(1.0):
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"SGLang's interpreter died ({self._proc.returncode}): {self.log_tail()}")
-            if time.monotonic() > deadline:
-                self.close()
-                raise TimeoutError(
-                    f"no answer from SGLang's interpreter in {timeout_s:.0f} s: {self.log_tail()}"
-                )
+            self._check(deadline, "answer")
         return self._conn.recv()
 
     def alive(self) -> bool:
@@ -114,10 +115,14 @@ class SGLangSide:
         return answer["ok"]
 
     def log_tail(self, chars: int = 4000) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self._conn is not None and self.alive():
             try:
                 self._conn.send(None)
@@ -149,3 +154,4 @@ class SGLangSides:
         for side in self._sides.values():
             side.close()
         self._sides.clear()
+        shutil.rmtree(self._log_dir, ignore_errors=True)

@@ -96,5 +96,9 @@ def test_early_queries_with_no_visible_entry_attend_to_their_window_only():
     with_entries = sparse_attend(q, keys, WINDOW, sinks, DIM**-0.5, entries=table, selection=selection)
     alone = sparse_attend(q, keys, WINDOW, sinks, DIM**-0.5)
     first_visible = RATIO - 1  # query t sees entry 0 once (t + 1) // ratio >= 1
-    torch.testing.assert_close(with_entries[:, :first_visible], alone[:, :first_visible], rtol=0, atol=0)
-    assert not torch.allclose(with_entries[:, first_visible:], alone[:, first_visible:])
+    # The masked entries add exact zeros, but with them the softmax and the weighted sum reduce over more
+    # terms, in another order: float32 re-association moves a result by a few ulps of the sum (6e-8 seen,
+    # output values of order 1). An entry leaking into an early query would move it by that entry's
+    # weight, four orders of magnitude more, as the later queries show.
+    torch.testing.assert_close(with_entries[:, :first_visible], alone[:, :first_visible], rtol=0, atol=1e-6)
+    assert (with_entries[:, first_visible:] - alone[:, first_visible:]).abs().max() > 1e-2
