@@ -28,15 +28,32 @@ SETTINGS = (
 )  # fmt: skip
 
 
-def launch(run_dir: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def start(run_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     argv = [*CLI, "recipe=tiny_arith", f"run.dir={run_dir}", "run.progress=false", *SETTINGS, "resume=auto"]
-    return subprocess.run([*argv, *port_overrides()], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})  # fmt: skip
+    return subprocess.Popen([*argv, *port_overrides()], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def launch(run_dir: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    process = start(run_dir, env)
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def test_a_failed_push_exits_76_and_a_requeued_launch_resumes_to_unfailed_metrics(tmp_path: Path) -> None:
     run_dir, straight = tmp_path / "failed", tmp_path / "straight"
-    failed = launch(run_dir, {FAIL_ENV: f"engine-0:weight_broadcast:{STEPS}"})
+    unfailed = start(straight)  # beside the failing launch: their start-ups overlap
+    try:
+        failed = launch(run_dir, {FAIL_ENV: f"engine-0:weight_broadcast:{STEPS}"})
+        unfailed_out, _ = unfailed.communicate(timeout=600)
+    finally:
+        if unfailed.poll() is None:
+            unfailed.kill()
+    assert unfailed.returncode == 0, unfailed_out
     out = failed.stdout
     assert failed.returncode == FAILED_PUSH_EXIT, out + failed.stderr
     record = json.loads((run_dir / "FAILED_PUSH").read_text())
@@ -57,7 +74,6 @@ def test_a_failed_push_exits_76_and_a_requeued_launch_resumes_to_unfailed_metric
     starts = (run_dir / "logs" / "engine-0.log").read_text().count("starting engine-0:")
     assert starts == 2  # a fresh engine, the spent one stopped with the first launch
 
-    assert launch(straight).returncode == 0
     ours, theirs = (read_metrics(run / "metrics.jsonl") for run in (run_dir, straight))
     assert [line["step"] for line in ours] == list(range(1, STEPS + 1))
     for mine, unfailed in zip(ours, theirs, strict=True):
