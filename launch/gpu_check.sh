@@ -1,54 +1,89 @@
 #!/usr/bin/env bash
-# The GPU check, on one GPU, in two halves; prints one JSON object and exits 1 when a check that ran failed.
+# The GPU check: what dsv4rl does only on GPUs, reported as one JSON summary to paste into an issue; exits 1
+# when a check that ran failed. The checks depend on the GPUs visible (GPUS=N overrides the count):
 #
-# 1. The trainer (needs `make install GPU=1`, or torch with CUDA plus dsv4rl's dependencies: transformers
-#    5.23, megatron-core 0.16.1): launch/gpu_check_trainer.py runs the megatron backend's GPU-only paths on
-#    the tiny DeepSeek-V4: bf16 log-probs against transformers' fp32 model, megatron-core's distributed
-#    optimizer with CPU offload (precision-aware when Transformer Engine imports), a distributed-optimizer
-#    checkpoint saved and loaded into a fresh backend, which must then step to the same weights, and a step
-#    with a NaN advantage, which that optimizer must skip without a trace (docs/faults.md).
-# 2. The engines (needs `make install-sglang` too; skipped, and said so, without SGLANG_PYTHON): one real
-#    SGLang engine per weight format, the trainer's weights pushed into it over NCCL/RCCL, and the engine's
-#    log-probs compared with the trainer's (`dsv4rl align`): per format the push time and size and the
-#    differences. fp8_mxfp4 is refused by validation (no SGLang MoE backend keeps MXFP4 experts updatable).
-# A machine where SGLang cannot be installed runs half 1 only: it checks the trainer, not SGLang's update path.
-# About 2-4 minutes for half 1 on an H200; half 2 adds an engine start per format.
+#   trainer                   any (the CPU without a GPU): launch/gpu_check_trainer.py runs the megatron
+#                             backend's GPU-only paths on the tiny DeepSeek-V4: bf16 log-probs against
+#                             transformers' fp32 model, megatron-core's distributed optimizer with CPU offload
+#                             (precision-aware when Transformer Engine imports), its checkpoint saved and
+#                             loaded into a fresh backend, a step with a NaN advantage skipped (docs/faults.md).
+#   colocated_push.<format>   1+ GPUs: the colocated path. The trainer and one SGLang engine share GPU 0
+#                             (parallel.colocate=true): the engine releases its memory while the trainer
+#                             works, and takes the weights by CUDA/HIP IPC tensor handles.
+#   broadcast_push.<format>   2+ GPUs: the disaggregated path. The engine on GPU 0, the trainer on GPU 1: the
+#                             weights are broadcast over an NCCL/RCCL process group, as between nodes.
 #
-#   launch/gpu_check.sh                      # formats bf16 fp8_rollout, the tiny shapes
+# Each push check is `dsv4rl align`: one push, then the engine's log-probs against the trainer's on the
+# engine's samples; the summary has the push's time, size and transport and the differences. Formats
+# (FORMATS, default "fp8_rollout bf16"): fp8_rollout as the reference recipe runs it: the engine's checkpoint
+# holds MXFP4 experts as the release does (the tiny model written in that format, $OUT/model-<shape>), which
+# SGLANG_DSV4_FP4_DEQUANT=1 de-quantizes to FP8 at load, and the trainer sends FP8; bf16 tells a kernel
+# problem from a quantization one. fp8_mxfp4 is refused by validation (no SGLang MoE runner keeps MXFP4
+# experts updatable). Push checks need `make install-sglang` (SGLANG_PYTHON); without it they are skipped,
+# and the summary says so. About 2-4 minutes for the trainer on an H200, plus an engine start per push check.
+#
+#   launch/gpu_check.sh                      # the checks for the GPUs here, the tiny shapes
+#   launch/gpu_check.sh --dry-run            # no GPU: the checks for 1 and for 2+ GPUs (each push check's
+#                                            # command and `dsv4rl plan` of it) and the summary's JSON schema
 #   SHAPE=kernel launch/gpu_check.sh         # DeepSeek-V4-Flash's per-layer shapes (3 layers, 16 experts),
 #                                            # for SGLang kernels that refuse the tiny head sizes
 #   FORMATS="bf16" launch/gpu_check.sh model.tiny.num_hidden_layers=2     # extra overrides go to every run
-#   DRY_RUN=1 launch/gpu_check.sh            # no GPU: half 1 on the CPU (gloo), half 2 planned (`dsv4rl plan`)
 #
-# Environment: SGLANG_PYTHON (default .venv-sglang/bin/python), OUT (default runs/gpu_check),
-# COMM (default nccl_h100; rccl_mi355x on AMD), DSV4RL (the dsv4rl command).
+# Environment: GPUS (default: torch's device count), DEVICE (cluster.device; default from GPU 0's name:
+# h100, h200, mi300x, mi325x, mi355x, else cpu), COMM (default nccl_h100, rccl_mi355x on ROCm),
+# SGLANG_PYTHON (default .venv-sglang/bin/python), OUT (default runs/gpu_check), DSV4RL, PYTHON.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+DRY_RUN=""
+if [[ ${1:-} == --dry-run ]]; then
+  DRY_RUN=1
+  shift
+fi
 if [[ -z ${DSV4RL:-} && -z ${VIRTUAL_ENV:-} && -f .venv/bin/activate ]]; then
   source .venv/bin/activate
 fi
 DSV4RL=${DSV4RL:-dsv4rl}
+PYTHON=${PYTHON:-python3}
 SGLANG_PYTHON=${SGLANG_PYTHON:-.venv-sglang/bin/python}
 OUT=${OUT:-runs/gpu_check}
-FORMATS=${FORMATS:-"bf16 fp8_rollout"}
+FORMATS=${FORMATS:-"fp8_rollout bf16"}
 SHAPE=${SHAPE:-tiny}
-COMM=${COMM:-nccl_h100}
-PYTHON=${PYTHON:-python3}
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 
-common=(
-  recipe=tiny_arith
-  parallel.rollout.engine=sglang "engine.python=$SGLANG_PYTHON"
-  cluster.gpus_per_node=1 parallel.rollout.gpus_per_engine=1 parallel.colocate=true
-  parallel.rollout.mem_fraction_static=0.3 engine.startup_timeout_s=1200
-  "comm=$COMM" sync.verify.checksum=false sync.verify.logprob_probe=true
-  align.prompts=16 align.samples_per_prompt=4 align.max_new_tokens=8
-  # SGLang serves CSA at compress ratio 4, HCA at 128 and a 128-token window only (docs/sglang.md)
-  model.tiny.sliding_window=128 model.tiny.hca_compress_rate=128
-)
+# What is here: GPU count, GPU 0's name, whether torch is a ROCm build (one line each, from torch).
+read -r -d '' PROBE <<'EOF'
+try:
+    import torch
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    name = torch.cuda.get_device_name(0) if n else "cpu"
+    rocm = bool(torch.version.hip)
+except Exception:
+    n, name, rocm = 0, "cpu", False
+print(n); print(name); print(int(rocm))
+EOF
+if [[ -n $DRY_RUN ]]; then
+  detected=(0 cpu 0)
+else
+  mapfile -t detected < <("$PYTHON" -c "$PROBE")
+fi
+GPUS=${GPUS:-${detected[0]:-0}}
+GPU_NAME=${detected[1]:-cpu}
+case "$GPU_NAME" in
+  *H200*) kind=h200 ;;
+  *H100*) kind=h100 ;;
+  *MI355*|*MI350*) kind=mi355x ;;
+  *MI325*) kind=mi325x ;;
+  *MI300*) kind=mi300x ;;
+  *) kind=cpu ;;  # the family is unknown: SGLang's MoE runner stays `auto`
+esac
+DEVICE=${DEVICE:-$kind}
+if [[ ${detected[2]:-0} == 1 ]]; then COMM=${COMM:-rccl_mi355x}; else COMM=${COMM:-nccl_h100}; fi
+
+model=(model.tiny.sliding_window=128 model.tiny.hca_compress_rate=128)  # what SGLang serves (docs/sglang.md)
 case $SHAPE in
   tiny) ;;
   kernel)
-    common+=(
+    model+=(
       model.tiny.hidden_size=4096 model.tiny.num_attention_heads=64 model.tiny.head_dim=512
       model.tiny.qk_rope_head_dim=64 model.tiny.q_lora_rank=1024 model.tiny.o_groups=8
       model.tiny.o_lora_rank=1024 model.tiny.moe_intermediate_size=2048 model.tiny.n_routed_experts=16
@@ -58,68 +93,77 @@ case $SHAPE in
     ;;
   *) echo "SHAPE must be tiny or kernel, got $SHAPE" >&2; exit 2 ;;
 esac
+common=(
+  recipe=tiny_arith "${model[@]}"
+  parallel.rollout.engine=sglang "engine.python=$SGLANG_PYTHON" "cluster.device=$DEVICE" "comm=$COMM"
+  parallel.rollout.gpus_per_engine=1 parallel.rollout.mem_fraction_static=0.3 engine.startup_timeout_s=1200
+  sync.verify.checksum=false sync.verify.logprob_probe=true
+  align.prompts=16 align.samples_per_prompt=4 align.max_new_tokens=8
+)
+MXFP4_MODEL="$OUT/model-$SHAPE"
+
+# The overrides of one push check (name path.format), one a line.
+check_args() {
+  local path=${1%%.*} format=${1#*.}
+  printf '%s\n' "${common[@]}" "quant=$format" "run.dir=$OUT/$1"
+  if [[ $path == colocated_push ]]; then
+    printf '%s\n' cluster.gpus_per_node=1 parallel.colocate=true
+  else
+    printf '%s\n' cluster.gpus_per_node=2 parallel.colocate=false
+  fi
+  if [[ $format == fp8_rollout ]]; then  # the release's MXFP4 experts, de-quantized at load (the recipe's env)
+    printf '%s\n' "model.path=$(realpath -m "$MXFP4_MODEL")"
+  fi
+}
+
+# The tiny model in the release's format (MXFP4 experts), once, for the fp8_rollout checks.
+build_mxfp4_model() {
+  "$PYTHON" - "$MXFP4_MODEL" "${model[@]}" <<'EOF'
+import sys
+from dsv4rl.config.compose import compose
+from dsv4rl.model.model_dir import materialize_model
+
+cfg = compose("tiny_arith", [*sys.argv[2:], "quant=fp8_mxfp4"])
+materialize_model(cfg.model, sys.argv[1], cfg.quant)
+EOF
+}
 
 mkdir -p "$OUT"
+engines=1
+[[ -x $SGLANG_PYTHON ]] || engines=0  # no SGLang here: the push checks are reported as skipped
+if [[ " $FORMATS " == *" fp8_rollout "* ]] && [[ -n $DRY_RUN ]] || (( engines && GPUS > 0 )); then
+  build_mxfp4_model > "$OUT/model.log" 2>&1 || { echo "building $MXFP4_MODEL failed: $OUT/model.log" >&2; exit 1; }
+fi
+
+if [[ -n $DRY_RUN ]]; then  # each push check of 2 GPUs (1 GPU's are among them) planned; nothing starts
+  folder="$OUT/dry-run"
+  mkdir -p "$folder"
+  while read -r name; do
+    [[ $name == trainer ]] && continue
+    mapfile -t args < <(check_args "$name")
+    printf '%s\n' "${args[@]}" "$@" > "$folder/$name.argv"
+    "$DSV4RL" plan "${args[@]}" "$@" --json --skip-engine-check > "$folder/$name.plan.json" 2> "$folder/$name.log"
+    echo $? > "$folder/$name.rc"
+  done < <("$PYTHON" launch/gpu_check_summary.py checks 2 $FORMATS)
+  exec "$PYTHON" launch/gpu_check_summary.py dry-run "$OUT" --cluster-device "$DEVICE" --comm "$COMM" \
+    --shape "$SHAPE" --formats $FORMATS
+fi
+
 trainer_args=("$OUT/trainer")
-[[ -n ${DRY_RUN:-} ]] && trainer_args+=(--cpu)
-PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" timeout 900 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 \
-  --master-port "${TRAINER_PORT:-29611}" launch/gpu_check_trainer.py "${trainer_args[@]}" > "$OUT/trainer.log" 2>&1
+(( GPUS == 0 )) && trainer_args+=(--cpu)
+timeout 900 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 --master-port "${TRAINER_PORT:-29611}" \
+  launch/gpu_check_trainer.py "${trainer_args[@]}" > "$OUT/trainer.log" 2>&1
 echo $? > "$OUT/trainer.rc"
 
-engines=1
-if [[ -z ${DRY_RUN:-} && ! -x $SGLANG_PYTHON ]]; then
-  engines=0  # no SGLang here: the engine half is reported as skipped
-  FORMATS=""
+if (( engines )); then
+  while read -r name; do
+    [[ $name == trainer ]] && continue
+    mapfile -t args < <(check_args "$name")
+    "$DSV4RL" align "${args[@]}" "$@" --json > "$OUT/$name.json" 2> "$OUT/$name.log"
+    echo $? > "$OUT/$name.rc"
+  done < <("$PYTHON" launch/gpu_check_summary.py checks "$GPUS" $FORMATS)
 fi
-for format in $FORMATS; do
-  args=("${common[@]}" "quant=$format" "run.dir=$OUT/$SHAPE")
-  if [[ $format == fp8_rollout ]]; then  # the tiny checkpoint stores FP8 experts: nothing to convert at load
-    args+=("~quant.engine_env.SGLANG_DSV4_FP4_DEQUANT" "+quant.engine_env.SGLANG_DSV4_FP4_EXPERTS=0")
-  fi
-  if [[ -n ${DRY_RUN:-} ]]; then
-    "$DSV4RL" plan "${args[@]}" "$@" --json --skip-engine-check > "$OUT/$format.plan.json" 2> "$OUT/$format.log"
-  else
-    "$DSV4RL" align "${args[@]}" "$@" --json > "$OUT/$format.json" 2> "$OUT/$format.log"
-  fi
-  echo $? > "$OUT/$format.rc"
-done
 
-"$PYTHON" - "$OUT" "$SHAPE" "$engines" "$SGLANG_PYTHON" ${DRY_RUN:+dry} $FORMATS <<'EOF'
-import json, sys
-from pathlib import Path
-
-out, shape, engines, sglang, rest = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4], sys.argv[5:]
-dry = bool(rest) and rest[0] == "dry"
-formats = rest[1:] if dry else rest
-rc = int((out / "trainer.rc").read_text())
-trainer_report = out / "trainer" / "trainer.json"
-if trainer_report.exists():
-    trainer = json.loads(trainer_report.read_text())
-else:
-    trainer = {"ok": False, "exit_code": rc,
-               "error": (out / "trainer.log").read_text().strip().splitlines()[-20:]}
-results = {}
-for name in formats:
-    rc = int((out / f"{name}.rc").read_text())
-    entry = {"ok": rc == 0, "exit_code": rc}
-    if rc != 0:
-        entry["error"] = (out / f"{name}.log").read_text().strip().splitlines()[-20:]
-    elif dry:
-        plan = json.loads((out / f"{name}.plan.json").read_text())
-        entry["engine_argv"] = plan["nodes"][0]["processes"][0]["argv"]
-        entry["engine_env"] = plan["quant"]["engine_env"]
-        entry["warnings"] = plan["warnings"]
-    else:
-        report = json.loads((out / f"{name}.json").read_text())
-        sync = report["sync"]
-        entry.update(
-            push_s=sync["seconds"], push_bytes=sync["bytes"], push_tensors=sync["tensors"],
-            logprob_mean_abs_diff=report["mean_abs_diff"], logprob_max_abs_diff=report["max_abs_diff"],
-            tokens=report["tokens"],
-        )
-    results[name] = entry
-skipped = None if engines else f"no SGLang interpreter at {sglang} (make install-sglang): SGLang not checked"
-print(json.dumps({"shape": shape, "dry_run": dry, "trainer": trainer, "formats": results,
-                  "engines_skipped": skipped}, indent=2))
-sys.exit(0 if trainer["ok"] and all(e["ok"] for e in results.values()) else 1)
-EOF
+"$PYTHON" launch/gpu_check_summary.py summary "$OUT" --gpus "$GPUS" --device "$GPU_NAME" \
+  --cluster-device "$DEVICE" --comm "$COMM" --shape "$SHAPE" --sglang "$SGLANG_PYTHON" --engines "$engines" \
+  --formats $FORMATS

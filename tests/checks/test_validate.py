@@ -538,3 +538,15 @@ def test_eval_rules_name_the_fix(tiny: Config, dapo: Config) -> None:
 def test_slurm_settings_need_a_slurm_cluster(tiny: Config) -> None:
     tiny.cluster.partition = "gpu"
     assert_problem(tiny, "cluster.partition is a Slurm setting", "cluster.kind=local")
+
+
+def test_the_reference_engines_emulation_flag_is_refused_with_sglang(dapo: Config, tiny: Config) -> None:
+    dapo.engine.extra_args = ["--emulate-non-idempotent-postprocess"]
+    assert_problem(dapo, "engine.extra_args has --emulate-non-idempotent-postprocess", "SGLang has none")
+    tiny.engine.extra_args = ["--emulate-non-idempotent-postprocess"]
+    validate(tiny, check_paths=False)
+
+
+def test_max_requeues_is_not_negative(tiny: Config) -> None:
+    tiny.cluster.max_requeues = -1
+    assert_problem(tiny, "cluster.max_requeues must be >= 0")

@@ -193,7 +193,9 @@ def test_wrong_type_names_expected_type(override: str, expected: str) -> None:
 
 
 def test_unknown_recipe_lists_recipes() -> None:
-    with pytest.raises(ConfigError, match="unknown recipe 'nope'; available recipes: dapo_math, tiny_arith"):
+    with pytest.raises(
+        ConfigError, match="unknown recipe 'nope'; available recipes: dapo_math, dapo_math_h200, tiny_arith"
+    ):
         compose("nope")
 
 

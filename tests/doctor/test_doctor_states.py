@@ -342,3 +342,10 @@ def test_planted_host_problem_is_caught(edit, name: str, status: Status) -> None
     assert check.status is status, check
     assert check.remedy
     assert set(problems(report)) == {name}
+
+
+def test_the_nvidia_recipe_brings_its_nccl_preset() -> None:
+    """`dsv4rl doctor recipe=dapo_math_h200` judges the shell against the recipe's NCCL preset."""
+    cfg = compose("dapo_math_h200", [f"engine.python={SGLANG_PYTHON}"])
+    check = doctor("h100", cfg).by_name()["env.comm_preset"]
+    assert check.status is Status.PASS and check.detail.startswith("comm=nccl_h100 sets 6 variables")

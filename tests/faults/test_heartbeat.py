@@ -8,7 +8,15 @@ import pytest
 
 from dsv4rl.faults import heartbeat
 from dsv4rl.faults.heartbeat import Beat, Heartbeat, read_beat
-from dsv4rl.faults.inject import HANG_ENV, KILL_ENV, HangPoint, maybe_hang, parse_hang_points
+from dsv4rl.faults.inject import (
+    FAIL_ENV,
+    HANG_ENV,
+    KILL_ENV,
+    HangPoint,
+    InjectedFault,
+    maybe_hang,
+    parse_hang_points,
+)
 
 
 class Clock:
@@ -163,6 +171,16 @@ def test_a_kill_point_parses_like_a_hang_point_and_names_its_variable(monkeypatc
     monkeypatch.setenv(KILL_ENV, "engine-0:weight_broadcast:2")
     maybe_hang("engine-0", "weight_broadcast", 1)  # another step: nothing happens
     maybe_hang("engine-1", "weight_broadcast", 2)  # (that it kills: tests/faults/test_child_process.py)
+
+
+def test_a_fail_point_raises_there_only(monkeypatch):
+    monkeypatch.setenv(FAIL_ENV, "engine-0:weight_broadcast:3")
+    maybe_hang("engine-0", "weight_broadcast", 2)
+    maybe_hang("engine-1", "weight_broadcast", 3)
+    with pytest.raises(
+        InjectedFault, match="DSV4RL_INJECT_FAIL: engine-0 fails in weight_broadcast at step 3"
+    ):
+        maybe_hang("engine-0", "weight_broadcast", 3)
 
 
 def test_an_injected_hang_ignores_other_processes_and_steps(monkeypatch):

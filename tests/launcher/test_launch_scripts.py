@@ -7,6 +7,8 @@ composed and validated, and the node plans are checked against the fake hostname
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,6 +21,7 @@ from dsv4rl.checks.validate import validate
 from dsv4rl.cli import _split_recipe
 from dsv4rl.config.compose import compose
 from dsv4rl.launcher.plan import build_local_plan, engine_urls, remote_engine_health
+from dsv4rl.model.native_checkpoint import checkpoint_format
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "launch" / "slurm" / "dapo_math_4node.sbatch"
@@ -149,50 +152,133 @@ def test_local_cpu_script_runs_tiny_arith(tmp_path: Path) -> None:
     assert (argv[0], cfg.recipe, cfg.run.dir, cfg.train.steps) == ("train", "tiny_arith", "runs/x", 3)
 
 
-def test_gpu_check_dry_run_plans_one_sglang_engine_per_format(tmp_path: Path) -> None:
-    """Without a GPU the check runs its trainer half on the CPU (the same script, gloo) and validates and
-    plans each engine run: real SGLang flags, the tiny FP8-expert checkpoint's environment, the engine
-    interpreter; on a GPU the same arguments go to `dsv4rl align`. fp8_mxfp4, which validation refuses with
-    SGLang (no MoE runner of 0.5.23 updates MXFP4 experts in place), is named and refused."""
+def gpu_check_summary_module():
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check_summary", GPU_CHECK.with_name("gpu_check_summary.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def conforms(value: object, schema: dict, where: str = "summary") -> None:
+    """The parts of JSON Schema the summary's schema uses: type, const, enum, required, properties, items."""
+    types = {"object": dict, "array": list, "string": str, "integer": int, "number": (int, float),
+             "boolean": bool, "null": type(None)}  # fmt: skip
+    if "const" in schema:
+        assert value == schema["const"], where
+    if "enum" in schema:
+        assert value in schema["enum"], where
+    if "type" in schema:
+        allowed = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        assert any(isinstance(value, types[t]) for t in allowed), (where, value)
+    if isinstance(value, dict):
+        for key in schema.get("required", []):
+            assert key in value, f"{where}.{key} is missing"
+        for key, sub in schema.get("properties", {}).items():
+            if key in value:
+                conforms(value[key], sub, f"{where}.{key}")
+    if isinstance(value, list) and "items" in schema:
+        for index, item in enumerate(value):
+            conforms(item, schema["items"], f"{where}[{index}]")
+
+
+def test_gpu_check_dry_run_prints_the_checks_for_one_and_two_gpus_and_the_schema(tmp_path: Path) -> None:
+    """`launch/gpu_check.sh --dry-run` on a machine without a GPU: the checks of 1 GPU (the trainer, the
+    colocated push) and of 2+ (the broadcast push too), each push check planned by `dsv4rl plan`: the
+    engine and trainer placement and transport of each path, the reference format's MXFP4 checkpoint
+    de-quantized at load; then the summary's JSON schema."""
     env = {
         **os.environ,
-        "DRY_RUN": "1",
         "OUT": str(tmp_path / "out"),
         "PYTHON": sys.executable,
         "DSV4RL": str(Path(sys.executable).with_name("dsv4rl")),
         "SGLANG_PYTHON": "/opt/sglang/bin/python",
-        "FORMATS": "bf16 fp8_rollout fp8_mxfp4",
+        "DEVICE": "h200",
     }
-    result = subprocess.run(["bash", str(GPU_CHECK)], capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(["bash", str(GPU_CHECK), "--dry-run"], capture_output=True, text=True, env=env,
+                            timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
-    assert report["dry_run"] is True and list(report["formats"]) == ["bf16", "fp8_rollout", "fp8_mxfp4"]
-    trainer = report["trainer"]
-    assert trainer["ok"] and trainer["device"] == "cpu", trainer
-    assert trainer["checkpoint_resume"]["max_abs_diff_after_one_more_step"] == 0.0
-    assert trainer["bf16_parity"]["bfloat16"]["median_abs_diff"] < 0.015
-    refused = report["formats"].pop("fp8_mxfp4")
-    assert result.returncode == 1 and not refused["ok"], result.stdout + result.stderr
-    assert "SGLANG_DSV4_FP4_DEQUANT=1" in "\n".join(refused["error"])
-    for name, entry in report["formats"].items():
-        argv = entry["engine_argv"]
-        assert entry["ok"] and entry["warnings"] == [], (name, entry)
-        assert argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
-        assert "--enable-deterministic-inference" in argv
-        assert argv[argv.index("--dtype") + 1] == "bfloat16"
-        # bf16, and the tiny FP8-expert checkpoint: the backend is free, triton re-lays nothing out
-        assert argv[argv.index("--moe-runner-backend") + 1] == "triton"
-    assert report["formats"]["fp8_rollout"]["engine_env"] == {
-        "SGLANG_OPT_FP8_WO_A_GEMM": "0",
-        "SGLANG_DSV4_FP4_EXPERTS": "0",
+    assert report["dry_run"] is True and (report["cluster_device"], report["comm"]) == ("h200", "nccl_h100")
+    names = {label: [c["name"] for c in checks] for label, checks in report["checks"].items()}
+    one = ["trainer", "colocated_push.fp8_rollout", "colocated_push.bf16"]
+    assert names == {"1": one, "2+": [*one, "broadcast_push.fp8_rollout", "broadcast_push.bf16"]}
+    checks = {c["name"]: c for c in report["checks"]["2+"]}
+    assert checks["trainer"]["command"].endswith("launch/gpu_check_trainer.py OUT/trainer")
+    for name, check in checks.items():
+        if name == "trainer":
+            continue
+        placed = (check["transport"], check["engine_gpus"], check["trainer_gpus"])
+        assert check["plan_ok"] and check["warnings"] == [], (name, check)
+        argv = check["engine_argv"]
+        assert argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"], name
+        assert check["command"][:2] == ["dsv4rl", "align"] and check["command"][-1] == "--json"
+        if name.startswith("colocated_push"):
+            assert check["path"].startswith("colocated:") and "tensor handles" in check["path"]
+            assert placed == ("tensor", "0..0", "0..0")
+            assert "--enable-memory-saver" in argv
+        else:
+            assert check["path"].startswith("disaggregated:") and "NCCL/RCCL" in check["path"]
+            assert placed == ("broadcast", "0..0", "1")
+        if name.endswith("fp8_rollout"):  # the reference recipe's format, from a release-format checkpoint
+            assert check["engine_env"]["SGLANG_DSV4_FP4_DEQUANT"] == "1"
+            assert "SGLANG_DSV4_FP4_EXPERTS" not in check["engine_env"]
+            model = argv[argv.index("--model-path") + 1]
+            assert checkpoint_format(model).experts == "mxfp4", model
+            assert argv[argv.index("--moe-runner-backend") + 1] == "auto"  # SGLang demands it (fp8.py:425)
+    schema = report["summary_schema"]
+    assert {"gpus", "device", "ok", "checks", "skipped"} <= set(schema["required"])
+    assert set(schema["properties"]["checks"]["items"]["required"]) >= {"name", "path", "ok", "figures"}
+
+
+def test_the_summary_is_one_json_object_of_the_schema(tmp_path: Path) -> None:
+    """Built from a run's result files: each check passed or not with its figures (or its log's tail),
+    and what was skipped and why."""
+    summary = gpu_check_summary_module()
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "trainer.json").write_text(json.dumps({"ok": True, "device": "NVIDIA H200"}))
+    (tmp_path / "trainer.rc").write_text("0\n")
+    align = {
+        "mean_abs_diff": 0.004,
+        "p99_abs_diff": 0.02,
+        "max_abs_diff": 0.05,
+        "tokens": 512,
+        "sync": {"seconds": 0.8, "bytes": 2_000_000, "tensors": 155, "buckets": 1, "transport": "tensor"},
     }
+    (tmp_path / "colocated_push.fp8_rollout.json").write_text(json.dumps(align))
+    (tmp_path / "colocated_push.fp8_rollout.rc").write_text("0\n")
+    (tmp_path / "colocated_push.bf16.rc").write_text("1\n")
+    (tmp_path / "colocated_push.bf16.log").write_text("Traceback ...\nRuntimeError: CUDA error\n")
+    args = ["summary", str(tmp_path), "--gpus", "1", "--device", "NVIDIA H200", "--cluster-device", "h200",
+            "--comm", "nccl_h100", "--shape", "tiny", "--sglang", ".venv-sglang/bin/python", "--engines", "1",
+            "--formats", "fp8_rollout", "bf16"]  # fmt: skip
+    report_path = tmp_path / "summary.json"
+    with report_path.open("w") as out, contextlib.redirect_stdout(out):
+        code = summary.main(args)
+    report = json.loads(report_path.read_text())
+    conforms(report, summary.SUMMARY_SCHEMA)
+    assert code == 1 and report["ok"] is False
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["colocated_push.fp8_rollout"]["figures"] == {
+        "push_s": 0.8, "push_bytes": 2_000_000, "push_tensors": 155, "push_buckets": 1, "transport": "tensor",
+        "logprob_mean_abs_diff": 0.004, "logprob_p99_abs_diff": 0.02, "logprob_max_abs_diff": 0.05,
+        "tokens": 512,
+    }  # fmt: skip
+    assert checks["colocated_push.bf16"]["error"][-1] == "RuntimeError: CUDA error"
+    assert [s["name"] for s in report["skipped"]] == ["broadcast_push.fp8_rollout", "broadcast_push.bf16"]
+    assert report["skipped"][0]["why"] == "needs 2 GPU(s), 1 visible"
 
 
 def test_gpu_check_without_sglang_checks_the_trainer_and_says_sglang_was_not(tmp_path: Path) -> None:
-    """A machine without SGLang (no interpreter at SGLANG_PYTHON) runs the trainer half and reports the
-    engine half as skipped instead of failing on it. Here the trainer half runs on the CPU (no GPU)."""
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
+    """A machine without SGLang (no interpreter at SGLANG_PYTHON) runs the trainer check and reports the
+    push checks as skipped instead of failing on them. Here the trainer runs on the CPU (no GPU)."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "GPUS": "1",
            "SGLANG_PYTHON": str(tmp_path / "no-sglang" / "python"), "TRAINER_PORT": "29631"}  # fmt: skip
     result = subprocess.run(["bash", str(GPU_CHECK)], capture_output=True, text=True, env=env, timeout=600)
     report = json.loads(result.stdout)
-    assert result.returncode == 0 and report["trainer"]["ok"], result.stdout + result.stderr
-    assert report["formats"] == {} and "SGLang not checked" in report["engines_skipped"]
+    assert result.returncode == 0 and report["ok"], result.stdout + result.stderr
+    assert [c["name"] for c in report["checks"]] == ["trainer"] and report["checks"][0]["figures"]["ok"]
+    skipped = {s["name"]: s["why"] for s in report["skipped"]}
+    assert "no SGLang interpreter" in skipped["colocated_push.fp8_rollout"]
+    assert skipped["broadcast_push.bf16"] == "needs 2 GPU(s), 1 visible"

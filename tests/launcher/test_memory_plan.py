@@ -24,6 +24,7 @@ from dsv4rl.estimate.memory import (
     optimizer_bytes_per_param,
 )
 from dsv4rl.estimate.params import format_bytes, model_bytes, model_shape, stage_params
+from dsv4rl.quant import sglang_moe
 
 ADDRS = ["cluster.node_addrs=[gpu-a01,gpu-a02,gpu-a03,gpu-a04]", "cluster.master_addr=gpu-a01"]
 # DeepSeek-V4-Flash from recipes/model/deepseek_v4_flash.yaml, by hand:
@@ -178,6 +179,33 @@ def test_an_h100_cluster_is_refused_naming_the_override(dapo: Config) -> None:
     assert "parallel.train.pipeline_parallel" in trainer and "run.force_memory_plan=true" in trainer
     assert "weights 71.3 GB leave no KV cache in the static budget 40.0 GB" in engine
     assert "quant=fp8_mxfp4" in engine and "run.force_memory_plan=true" in engine
+
+
+def test_dapo_math_h200_fits_the_h200_with_headroom() -> None:
+    """The NVIDIA recipe: dapo_math's algorithm, data and eval on 6 nodes x 8 H200, every GPU under 80 %
+    of its 141 GB, NCCL, and SGLang's MoE path on Hopper (auto -> triton) idempotent."""
+    nodes = [f"gpu-b0{i}" for i in range(1, 7)]
+    h200 = compose(
+        "dapo_math_h200", [f"cluster.node_addrs=[{','.join(nodes)}]", "cluster.master_addr=gpu-b01"]
+    )
+    dapo = compose("dapo_math", ADDRS)
+    for group in ("algo", "data", "eval", "model", "quant", "reward", "optim", "train", "sync", "engine"):
+        assert getattr(h200, group) == getattr(dapo, group), group
+    assert (h200.comm.name, h200.comm.backend.value, h200.cluster.device) == (
+        "nccl_h100",
+        "nccl",
+        DeviceKind.h200,
+    )
+    assert "SGLANG_USE_AITER" not in h200.comm.env
+    validate(h200, check_paths=False)
+    plan = memory_plan(h200)
+    assert plan.fits and not plan.forced and plan.device_gb == 141.0
+    assert [g.role for g in plan.gpus] == [GpuRole.trainer] * 4 + [GpuRole.rollout]
+    assert max(g.total_gb for g in plan.gpus) <= 0.8 * 141.0
+    moe = sglang_moe.plan_info(h200)
+    assert (moe["device_family"], moe["resolves_to"], moe["idempotent"]) == ("hopper", "triton", True)
+    dapo.cluster.device = DeviceKind.h200  # dapo_math itself on H200 nodes: refused by its memory plan
+    assert len(refusal(dapo)) == 2
 
 
 def test_no_pipeline_no_expert_split_no_offload_is_refused(dapo: Config) -> None:

@@ -546,3 +546,5 @@ def test_reference_engines_rehearse_a_non_idempotent_sglang_path() -> None:
     argv = build_local_plan(cfg, RUN, base_env={})[0].argv
     assert argv[1:3] == ["-m", "dsv4rl.engine"] and "--emulate-non-idempotent-postprocess" in argv
     assert "--emulate-non-idempotent-postprocess" not in build_local_plan(Config(), RUN, base_env={})[0].argv
+    cfg.engine.extra_args = ["--emulate-non-idempotent-postprocess"]  # asked for as well: passed once
+    assert build_local_plan(cfg, RUN, base_env={})[0].argv.count("--emulate-non-idempotent-postprocess") == 1

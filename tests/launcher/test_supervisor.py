@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import io
+import json
 import os
 import re
 import signal
@@ -22,6 +23,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 
 from dsv4rl.config.schema import Config, ProcessRole
+from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT
 from dsv4rl.launcher.marker import DoneMarker, read_status, write_marker
 from dsv4rl.launcher.plan import PortInUse, ProcessSpec
 from dsv4rl.launcher.run import run_training
@@ -76,6 +78,11 @@ for step in range(1, steps + 1):
 if mode == "fail":
     print("Traceback (most recent call last):\nRuntimeError: boom", flush=True)
     sys.exit(3)
+if mode == "failed_push":  # as trainer rank 0 after a push that spent the engines
+    from dsv4rl.faults.failed_push import write_failed_push
+    write_failed_push(os.path.dirname(metrics), steps + 1, None, "bucket 0: HTTP 400")
+    print("Traceback (most recent call last):\nWeightSyncError: never push to them again", flush=True)
+    sys.exit(1)
 if mode == "hang":
     time.sleep(120)
 """
@@ -321,6 +328,41 @@ def test_run_training_writes_config_and_runs_the_plan(tmp_path):
     assert loaded.train.steps == 2 and loaded.model.path == cfg.model.path
     assert loaded.run.dir == str(run_dir) and run_dir.is_absolute()
     assert "step 2/2" in out.getvalue()
+    assert_all_gone(written_pids(run_dir))
+
+
+def test_a_failed_push_ends_with_76_and_a_counted_requeue_until_max_requeues(tmp_path):
+    """The trainer recorded a push that spent the engines: the run ends with FAILED_PUSH_EXIT and node 0
+    allows a requeue (the record says so); past cluster.max_requeues it exits 1. A record an earlier launch
+    left is removed before anything starts."""
+    cfg = _cfg(tmp_path / "run")
+    cfg.model.path = str(tmp_path / "model")
+    cfg.cluster.max_requeues = 1
+    port = free_port()
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir()
+    (run_dir / "FAILED_PUSH").write_text('{"step": 9, "requeue": true}\n')  # an earlier launch's
+
+    def plan(c: Config, run_dir: Path, task: str = "train"):
+        return [engine_spec(run_dir, port), trainer_spec(run_dir, steps=1, mode=mode)]
+
+    mode = "fail"  # an ordinary failure: the earlier record neither counts nor stays
+    assert run_training(cfg, console=capture()[0], plan_builder=plan) == 3
+    assert not (run_dir / "FAILED_PUSH").exists()
+    mode = "failed_push"
+    console, out = capture()
+    assert run_training(cfg, console=console, plan_builder=plan) == FAILED_PUSH_EXIT
+    text = out.getvalue()
+    assert "the weight push of step 2 failed on engines whose weight post-processing is not" in text
+    assert "requeue 1 of cluster.max_requeues=1 (exit 76)" in text and re.search(r"status +failed_push", text)
+    record = json.loads((run_dir / "FAILED_PUSH").read_text())
+    assert (record["step"], record["requeue"], record["requeues"]) == (2, True, 1)
+    console, out = capture()
+    assert run_training(cfg, console=console, plan_builder=plan) == 1  # the bound is reached
+    assert (
+        "requeued 1 times after failed pushes already (cluster.max_requeues=1): not again" in out.getvalue()
+    )
+    assert json.loads((run_dir / "FAILED_PUSH").read_text())["requeue"] is False
     assert_all_gone(written_pids(run_dir))
 
 

@@ -116,6 +116,14 @@ def test_reference_engines_emulate_only_a_known_non_idempotent_path() -> None:
     assert "emulates" in restart_reason(dapo("parallel.rollout.engine=reference"))
 
 
+def test_the_emulation_asked_in_extra_args_makes_a_failed_push_end_the_run() -> None:
+    """A CPU run rehearses non-idempotent engines (tests/e2e/test_failed_push_cpu.py): the reference
+    engine's flag in engine.extra_args; SGLang engines refuse it (validation: tests/checks)."""
+    tiny = compose("tiny_arith", ["engine.extra_args=[--emulate-non-idempotent-postprocess]"])
+    assert sglang_moe.emulates_non_idempotent(tiny)
+    assert "engine.extra_args has --emulate-non-idempotent-postprocess" in restart_reason(tiny)
+
+
 def test_mxfp4_scale_dtype_follows_the_runner() -> None:
     """flashinfer_mxfp4 and aiter create E8M0 expert scales; FP8 block scales are float32 everywhere."""
     assert sglang_env.expert_scale_dtype({}, sglang_env.MXFP4, "flashinfer_mxfp4") == "float8_e8m0fnu"

@@ -52,7 +52,7 @@ def test_a_failed_push_stops_for_good_and_the_engine_is_not_served(emulating_eng
             sync.push(with_a_bad_tensor(second, after=10), "v2")
         message = str(failed.value)
         assert "float32 [65]" in message  # what failed
-        assert WHY in message and "restart the engines" in message and "resume=true" in message
+        assert WHY in message and "restart the engines" in message and "resume=auto" in message
         assert sync.spent and "never push to these engines again" in sync.spent
         # No retry on these engines, whatever the caller does: not after close() and connect() either.
         with pytest.raises(WeightSyncError, match="restart the engines"):

@@ -43,6 +43,8 @@ def check_cluster_addresses(cfg: Config, add: Add) -> None:
         add(f"cluster.node_addrs has an empty entry ({list(c.node_addrs)}); {NODE_ADDRS_FIX}")
     if c.node_timeout_s <= 0:
         add(f"cluster.node_timeout_s must be > 0 seconds (got {c.node_timeout_s:g}), e.g. 60")
+    if c.max_requeues < 0:
+        add(f"cluster.max_requeues must be >= 0 (got {c.max_requeues}; 0: a failed push is never requeued)")
     if c.nnodes > 1 and cfg.engine.host in LOOPBACK and not on_one_machine(cfg):
         add(
             f"engine.host={cfg.engine.host} binds loopback only, but with cluster.nnodes={c.nnodes} trainer "

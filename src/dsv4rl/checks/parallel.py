@@ -61,9 +61,10 @@ def check_train_layout(cfg: Config, add: Add) -> None:
     expert_group = t.expert_parallel * t.expert_tensor_parallel
     if per_stage is None or per_stage % expert_group:
         add(
-            f"expert_parallel x expert_tensor_parallel ({t.expert_parallel} x {t.expert_tensor_parallel}) "
-            f"must divide the ranks of one pipeline stage (world {world} / pipeline_parallel "
-            f"{t.pipeline_parallel})"
+            f"parallel.train.expert_parallel x expert_tensor_parallel ({t.expert_parallel} x "
+            f"{t.expert_tensor_parallel}) must divide the ranks of one pipeline stage (world {world} / "
+            f"pipeline_parallel {t.pipeline_parallel}): lower expert_parallel or give training more ranks "
+            "(parallel.train.nnodes, nproc_per_node)"
         )
     _check_pipeline(cfg, add)
     if t.backend == TrainBackend.fsdp:

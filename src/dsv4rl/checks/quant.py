@@ -1,9 +1,9 @@
 """Quantization rules: the `quant` group against the engines that will hold the weights.
 
 `check_quant` reads only the recipe: block size, SGLang's environment for the chosen mode
-(`dsv4rl.quant.sglang_env`), whether SGLang's MoE path on `cluster.device` can take updates at all
-(`dsv4rl.quant.sglang_moe`), SGLang's `--dtype` against what the trainer sends, and verification settings
-that depend on the engine.
+(`dsv4rl.quant.sglang_env`), SGLang's `--dtype` against what the trainer sends, and verification settings
+that depend on the engine. Whether SGLang's MoE path on `cluster.device` can take updates at all is a row
+of `dsv4rl.checks.sglang_families`.
 `check_checkpoint_format` (a path rule: it reads the checkpoint's safetensors headers) refuses a
 `model.path` whose stored format the chosen mode cannot update.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dsv4rl.checks.problems import Add
 from dsv4rl.config.schema import Config, QuantMode, RolloutEngineKind
-from dsv4rl.quant import sglang_env, sglang_moe
+from dsv4rl.quant import sglang_env
 from dsv4rl.quant.sglang_env import engine_env
 
 QUANTIZED = (QuantMode.fp8_rollout, QuantMode.fp8_mxfp4)
@@ -30,12 +30,8 @@ def check_quant(cfg: Config, add: Add) -> None:
             "set quant.block_size=[128,128]"
         )
     if engine == RolloutEngineKind.sglang:  # the reference engine holds its checkpoint as stored
-        problems = sglang_env.env_problems(q.name, engine_env(cfg))
-        for problem in problems:
+        for problem in sglang_env.env_problems(q.name, engine_env(cfg)):
             add(problem)
-        if not problems:  # the MoE path follows from a well-formed environment
-            for problem in sglang_moe.moe_problems(cfg):
-                add(problem)
         check_engine_dtype(cfg, add)
     v = cfg.sync.verify
     if v.checksum and engine == RolloutEngineKind.sglang:

@@ -1,6 +1,7 @@
 """Rules for routing and indexer replay (algo.routing_replay, algo.indexer_replay): refuse a recipe where
 a replay has nothing to replay or cannot be carried out, before any process starts. Both trainer backends
-replay at every layout they take (megatron refuses context parallelism on its own)."""
+replay at every layout they take (megatron refuses context parallelism on its own). Which GPU families
+SGLang returns the indexer's top-k on is a row of `dsv4rl.checks.sglang_families`."""
 
 from __future__ import annotations
 

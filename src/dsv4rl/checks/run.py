@@ -29,6 +29,7 @@ from dsv4rl.model.release_config import (
     sglang_problems,
     tiny_transformers_keys,
 )
+from dsv4rl.quant.sglang_moe import EMULATE_FLAG
 from dsv4rl.topology import data_parallel_size
 
 GRADERS = tuple(GraderName)
@@ -371,6 +372,11 @@ def check_run(cfg: Config, add: Add) -> None:
     }
     for flag in [a for a in map(str, eng.extra_args) if a.split("=", 1)[0] in planned]:
         add(f"engine.extra_args has {flag}: {planned[flag.split('=', 1)[0]]}; remove it")
+    if cfg.parallel.rollout.engine == RolloutEngineKind.sglang and EMULATE_FLAG in map(str, eng.extra_args):
+        add(
+            f"engine.extra_args has {EMULATE_FLAG}, the reference engine's own flag (SGLang has none and "
+            "would not start): remove it, or set parallel.rollout.engine=reference"
+        )
     if eng.python is not None and not eng.python.strip():
         add("engine.python is empty: give SGLang's interpreter, or null for this one")
     if not cfg.run.dir:

@@ -5,7 +5,8 @@ are individually well-typed but impossible together (a parallel layout that does
 a batch that does not split across data-parallel ranks, a backend without GPUs). Every problem is
 reported at once, each naming the key, the value and the fix. The rules live by concern in
 `parallel` (layouts, cluster, ports), `run` (algorithm, model, data, sync, engine) and
-`quant` (quant modes against the engines and checkpoints), `machine` (paths, addresses,
+`quant` (quant modes against the engines and checkpoints), `sglang_families` (what SGLang runs on
+the GPU family of `cluster.device`, one row per finding), `machine` (paths, addresses,
 what is built) and `estimate` (the memory plan against the device); this module runs them and keeps
 the public names.
 """
@@ -32,6 +33,7 @@ from dsv4rl.checks.run import (
     check_optim,
     check_run,
 )
+from dsv4rl.checks.sglang_families import check_families
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config
 
@@ -57,6 +59,7 @@ _CHECKS: list[Callable[[Config, Add], None]] = [
     check_data_reward_eval,
     check_run,
     check_quant,
+    check_families,
     check_numerics,
     check_ports,
     check_estimate,

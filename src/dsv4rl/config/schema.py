@@ -703,6 +703,10 @@ class ClusterConfig:
     # Scale-out bandwidth per GPU between nodes, GB/s (the weight sync's wire when engines live on other
     # nodes). null: the NIC of the device's reference platform (dsv4rl.estimate.devices).
     network_gb_per_s: float | None = None
+    # A weight push that fails on engines whose post-processing is not idempotent ends the run with exit 76
+    # and <run.dir>/FAILED_PUSH; the batch script requeues the job (fresh engines, resume=auto) at most this
+    # many times per run dir, counted in <run.dir>/REQUEUES (dsv4rl.faults.failed_push). 0: never.
+    max_requeues: int = 3
 
 
 @dataclass

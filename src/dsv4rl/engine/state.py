@@ -49,7 +49,7 @@ log = logging.getLogger("dsv4rl.engine")
 VERSION = "0.5.23"
 READY_LINE = "The server is fired up and ready to roll!"
 RELAID_OUT = (CheckpointKind.routed_expert, CheckpointKind.fp8_linear)  # what SGLang shuffles on ROCm
-RESTART = "restart the engine (`dsv4rl train ... resume=true` starts new ones)"
+RESTART = "restart the engine (`dsv4rl train ... resume=auto` starts new ones)"
 
 
 def choice_capture(model: torch.nn.Module, args: ServerArgs) -> ChoiceCapture | None:

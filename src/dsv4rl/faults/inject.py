@@ -13,8 +13,10 @@ all its ranks (`trainer`). The points:
   a weight update, `weight_broadcast` (the engine's receive of the broadcast has begun: tensors are in
   flight). An engine's step is its weight-update session, counted from 0 (the push at start): the
   trainer's step in a run that did not resume.
-Examples: `trainer:train:2`, `engine-0:generate`, `DSV4RL_INJECT_KILL=engine-0:weight_broadcast:2`. Never
-set them outside tests.
+`DSV4RL_INJECT_FAIL` (same syntax) raises `InjectedFault` there instead: the process lives on and handles
+it as any error of that work (an engine answers the request with a failure, as one whose load failed).
+Examples: `trainer:train:2`, `engine-0:generate`, `DSV4RL_INJECT_KILL=engine-0:weight_broadcast:2`,
+`DSV4RL_INJECT_FAIL=engine-0:weight_broadcast:3`. Never set them outside tests.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ from dsv4rl.faults.files import owned_by
 
 HANG_ENV = "DSV4RL_INJECT_HANG"
 KILL_ENV = "DSV4RL_INJECT_KILL"
+FAIL_ENV = "DSV4RL_INJECT_FAIL"
+
+
+class InjectedFault(RuntimeError):
+    """A failure made on purpose at a named point (`DSV4RL_INJECT_FAIL`)."""
 
 
 @dataclass(frozen=True)
@@ -71,9 +78,10 @@ def _named(env: str, process: str, phase: str, step: int | None) -> bool:
 def maybe_hang(
     process: str, phase: str, step: int | None = None, *, settle: Callable[[], object] | None = None
 ) -> None:
-    """Die if `DSV4RL_INJECT_KILL`, block forever if `DSV4RL_INJECT_HANG` names this process, point and
-    step. `settle` runs before a kill (the heartbeat's flush: its file then says where the process died,
-    as it would for a process killed some time into the phase)."""
+    """Die if `DSV4RL_INJECT_KILL`, raise `InjectedFault` if `DSV4RL_INJECT_FAIL`, block forever if
+    `DSV4RL_INJECT_HANG` names this process, point and step. `settle` runs before a kill (the heartbeat's
+    flush: its file then says where the process died, as it would for a process killed some time into the
+    phase)."""
     at = "" if step is None else f" at step {step}"
     if _named(KILL_ENV, process, phase, step):
         print(f"{KILL_ENV}: {process} is killed in {phase}{at} (test hook)", file=sys.stderr, flush=True)
@@ -81,6 +89,9 @@ def maybe_hang(
             settle()
         os.kill(os.getpid(), signal.SIGKILL)
         block_forever()  # SIGKILL is delivered before kill() returns; never reached
+    if _named(FAIL_ENV, process, phase, step):
+        print(f"{FAIL_ENV}: {process} fails in {phase}{at} (test hook)", file=sys.stderr, flush=True)
+        raise InjectedFault(f"{FAIL_ENV}: {process} fails in {phase}{at} (test hook)")
     if _named(HANG_ENV, process, phase, step):
         print(f"{HANG_ENV}: {process} hangs in {phase}{at} (test hook)", file=sys.stderr, flush=True)
         block_forever()

@@ -198,7 +198,8 @@ def numerics_flags(cfg: Config) -> list[str]:
 def reference_engine_argv(cfg: Config, model_path: str, port: int, seed: int, run_dir: Path) -> list[str]:
     """The reference engine; with `--emulate-non-idempotent-postprocess` (its own flag, not SGLang's) when
     the recipe's SGLang path would re-lay out weights at every session's end."""
-    emulate = ["--emulate-non-idempotent-postprocess"] if sglang_moe.emulates_non_idempotent(cfg) else []
+    given = sglang_moe.EMULATE_FLAG in (str(arg) for arg in cfg.engine.extra_args)  # appended as given
+    emulate = [sglang_moe.EMULATE_FLAG] if sglang_moe.emulates_non_idempotent(cfg) and not given else []
     return [
         sys.executable, "-m", "dsv4rl.engine",
         "--model-path", model_path,

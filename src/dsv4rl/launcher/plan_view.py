@@ -23,6 +23,7 @@ from rich.text import Text
 
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import ClusterKind, Config, ProcessRole, RolloutEngineKind, SyncTransport
+from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT
 from dsv4rl.launcher.engine_python import engine_python
 from dsv4rl.launcher.estimate_view import (
     memory_json,
@@ -151,6 +152,7 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
             "moe": moe,
             # why a failed push must end with fresh engines (post-processing not idempotent), or null
             "restart_on_failed_push": sglang_moe.restart_reason(cfg),
+            "max_requeues": cfg.cluster.max_requeues,  # requeues after failed pushes, per run dir
             "emulate_non_idempotent_postprocess": sglang_moe.emulates_non_idempotent(cfg),
         },
         "training": training_layout(cfg),
@@ -260,7 +262,9 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     if engine["restart_on_failed_push"]:
         console.print(
             f"a failed weight push stops the run: {engine['restart_on_failed_push']}; the engines must be "
-            "restarted (resume=true starts new ones)",
+            f"restarted: exit {FAILED_PUSH_EXIT} and <run.dir>/FAILED_PUSH, then resume=auto starts new ones "
+            f"(the sbatch script requeues the job, at most cluster.max_requeues={engine['max_requeues']} "
+            "times)",
             soft_wrap=True,
         )
     if engine["keys_file"]:

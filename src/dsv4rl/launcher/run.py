@@ -1,6 +1,7 @@
 """`dsv4rl train` on one node: check the run dir's lock, the ports, the run dir and the data, lock the run
 dir, write the resolved recipe, build the tiny model, then hand this node's processes to the `Supervisor`.
-Every refusal comes before anything is written.
+Every refusal comes before anything is written. After a weight push that spent the engines, node 0 decides
+whether the job may be requeued (`dsv4rl.faults.failed_push`).
 
 Apart from the supervisor so that process handling stays free of run-dir and recipe concerns.
 """
@@ -19,6 +20,7 @@ from rich.text import Text
 from dsv4rl.checks.data_files import data_file_problems
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config, ProcessRole, ResumeMode, Task
+from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT, clear_failed_push, decide_requeue
 from dsv4rl.faults.files import write_text_atomic
 from dsv4rl.faults.stop import clear_stop_files
 from dsv4rl.launcher.marker import DoneMarker
@@ -146,6 +148,7 @@ def _run_locked(
         write_config(cfg, run_dir)
         if task == Task.train and cfg.cluster.node_rank == 0:
             clear_stop_files(run_dir)  # an earlier run's stop request must not stop this one
+            clear_failed_push(run_dir)  # nor its failed push ask for a requeue
     except OSError as error:
         raise unwritable(run_dir, error) from None
     if cfg.model.path is None:
@@ -187,8 +190,19 @@ def _run_locked(
     )
     code = supervisor.run()
     if task == Task.train and node == 0:
+        if code == FAILED_PUSH_EXIT:
+            code = _requeue_after_failed_push(cfg, run_dir, console)
         _record_outcome(cfg, run_dir, supervisor, console)
     return code
+
+
+def _requeue_after_failed_push(cfg: Config, run_dir: Path, console: Console) -> int:
+    """A push spent the engines: allow a requeue while `cluster.max_requeues` allows one (the record says
+    so for the batch script), else exit 1 for a person to look."""
+    requeue = decide_requeue(run_dir, cfg.cluster.max_requeues)
+    style = "bold yellow" if requeue.allowed else "bold red"
+    console.print(Text(requeue.message(resume_command(cfg)), style=style), soft_wrap=True)
+    return requeue.exit_code
 
 
 def _record_outcome(cfg: Config, run_dir: Path, supervisor: Supervisor, console: Console) -> None:

@@ -42,6 +42,7 @@ from rich.panel import Panel
 from rich.text import Text
 
 from dsv4rl.config.schema import ProcessRole
+from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT, FailedPushRecord
 from dsv4rl.faults.heartbeat import START
 from dsv4rl.faults.stop import STOP_SIGNALS, STOPPED_EXIT, StoppedRecord, request_stop
 from dsv4rl.launcher.child_faults import ChildFaults
@@ -56,6 +57,7 @@ from dsv4rl.rollout.client import EngineClient
 
 INTERRUPTED = 130
 STOPPED = "stopped"  # the DONE marker's and the summary's status of a graceful stop
+FAILED_PUSH = "failed_push"  # ... of a weight push that failed on engines that must be restarted
 
 
 @dataclass
@@ -171,6 +173,7 @@ class Supervisor:
         self._at_once = False  # a signal stops every process now (said once)
         self._gone_while_stopping: set[str] = set()  # children that exited during a graceful stop
         self._stopped = StoppedRecord(self.run_dir)  # trainer rank 0's record of a stop at a step boundary
+        self._failed_push = FailedPushRecord(self.run_dir)  # ... of a push that spent the engines
         self._stop_message = ""
 
     # ----------------------------------------------------------------------------------- output
@@ -407,7 +410,12 @@ class Supervisor:
         status = "failed"
         try:
             code = self._run()
-            statuses = {0: "finished", INTERRUPTED: "interrupted", STOPPED_EXIT: STOPPED}
+            statuses = {
+                0: "finished",
+                INTERRUPTED: "interrupted",
+                STOPPED_EXIT: STOPPED,
+                FAILED_PUSH_EXIT: FAILED_PUSH,
+            }
             status = "hung" if self.hang else statuses.get(code, "failed")
             return code
         except KeyboardInterrupt:
@@ -519,6 +527,23 @@ class Supervisor:
         self._stop_message = f"stopped after step {step} ({saved}); continue with: {how}"
         return STOPPED_EXIT
 
+    def _after_failed_push(self) -> bool:
+        """The trainer failed after recording a weight push that spent the engines (`<run_dir>/FAILED_PUSH`):
+        say so; the run then ends with FAILED_PUSH_EXIT (fresh engines and resume=auto carry on)."""
+        record = self._failed_push.read()
+        if record is None:
+            return False
+        self._print(
+            Text(
+                f"the weight push of step {record.get('step')} failed on engines whose weight "
+                f"post-processing is not idempotent ({self._failed_push.path}): they cannot take another "
+                "push, so the run ends; fresh engines and resume=auto continue it",
+                style="bold red",
+            ),
+            soft_wrap=True,
+        )
+        return True
+
     def _trainer_specs(self) -> list[ProcessSpec]:
         return [s for s in self.specs if s.role == ProcessRole.trainer]
 
@@ -585,6 +610,8 @@ class Supervisor:
                 for child, code in failed:
                     self._report_failure(child, describe_exit(code) + (" unexpectedly" if code == 0 else ""))
                 if any(child.spec.role == ProcessRole.trainer for child, _ in failed):
+                    if self._after_failed_push():
+                        return FAILED_PUSH_EXIT
                     self._explain_by_peers()
                 if watch is not None:
                     self._print(

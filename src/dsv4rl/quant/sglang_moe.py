@@ -44,6 +44,7 @@ from dsv4rl.quant.sglang_env import FP4_DEQUANT, FP8, MXFP4, UNQUANTIZED, USE_AI
 
 __all__ = [
     "DEVICE_FAMILY",
+    "EMULATE_FLAG",
     "MOE_PATHS",
     "MoePath",
     "device_family",
@@ -70,6 +71,7 @@ ROCM = (DeviceFamily.cdna3, DeviceFamily.cdna4)
 E8M0 = "float8_e8m0fnu"
 F32 = "float32"
 Q = "sglang/srt/layers/quantization/"
+EMULATE_FLAG = "--emulate-non-idempotent-postprocess"  # the reference engine's flag (dsv4rl.engine.args)
 FP8_FIX = "use quant=fp8_rollout with +quant.engine_env.SGLANG_DSV4_FP4_DEQUANT=1 (experts FP8 from load on)"
 
 
@@ -263,13 +265,18 @@ def moe_problems(cfg: Config) -> list[str]:
 def restart_reason(cfg: Config) -> str | None:
     """Why a failed push must end with fresh engines (their post-processing is not idempotent), or None.
 
-    SGLang: unless the row is known idempotent. The reference engine: when the planner makes it emulate
-    a non-idempotent SGLang path (`emulates_non_idempotent`)."""
+    SGLang: unless the row is known idempotent. The reference engine: when it emulates a non-idempotent
+    SGLang path (`emulates_non_idempotent`)."""
     path = recipe_moe_path(cfg)
     if cfg.parallel.rollout.engine == RolloutEngineKind.reference:
         if not emulates_non_idempotent(cfg):
             return None
-        return f"the reference engine emulates SGLang's non-idempotent post-processing ({path.note})"
+        if path.idempotent is False:
+            return f"the reference engine emulates SGLang's non-idempotent post-processing ({path.note})"
+        return (
+            f"the reference engine emulates SGLang's non-idempotent post-processing (engine.extra_args has "
+            f"{EMULATE_FLAG})"
+        )
     if path.idempotent:
         return None
     if path.idempotent is None:
@@ -281,10 +288,13 @@ def restart_reason(cfg: Config) -> str | None:
 
 
 def emulates_non_idempotent(cfg: Config) -> bool:
-    """Reference engines rehearse a recipe whose SGLang path is known not idempotent
-    (`--emulate-non-idempotent-postprocess`)."""
-    reference = cfg.parallel.rollout.engine == RolloutEngineKind.reference
-    return reference and recipe_moe_path(cfg).idempotent is False
+    """Reference engines rehearse a recipe whose SGLang path is known not idempotent, or were asked to
+    (`engine.extra_args` with `--emulate-non-idempotent-postprocess`, the reference engine's own flag: a CPU
+    run of a failed push on such engines)."""
+    if cfg.parallel.rollout.engine != RolloutEngineKind.reference:
+        return False
+    asked = EMULATE_FLAG in (str(arg) for arg in cfg.engine.extra_args)
+    return asked or recipe_moe_path(cfg).idempotent is False
 
 
 def plan_info(cfg: Config) -> dict[str, Any]:

@@ -143,6 +143,12 @@ class StagedWeightSync:
         if self.sender is not None:
             self.sender.close()
 
+    @property
+    def spent(self) -> str | None:
+        """Why this rank's engines must be restarted before any push (rank 0 knows it for every stage: it
+        opens and closes the sessions), or None."""
+        return self.sender.spent if self.sender is not None else None
+
     # ------------------------------------------------------------------------------------------ push
     def push(
         self, named_weights: Iterable[NamedTensor], version: str, *, record_checksums: bool = False
@@ -181,7 +187,7 @@ class StagedWeightSync:
             raise WeightSyncError("weight sync failed: " + "; ".join(errors) + spent)
         if self.rank != 0:
             return None
-        self.sender.finish_update(version)
+        self.sender.close_session(version)
         merged = merge_stats([report[1] for report in reports if report[1] is not None])
         merged.seconds = time.monotonic() - start
         log.info(

@@ -30,8 +30,9 @@ re-shuffling MoE weights in place on ROCm), closing would corrupt every module t
 re-send, and SGLang itself calls a model whose load failed "partially updated ... discard the whole
 weights" (`sglang/srt/model_executor/model_runner_components/weight_updater.py:331-340`): the session is
 left open (SGLang then refuses any new session on those engines), every later push is refused, and the
-error says the engines must be restarted (`resume=true` starts new ones). The run stops; it never retries
-on the same engines.
+error says the engines must be restarted. The run stops; it never retries on the same engines. The
+trainer records it (`dsv4rl.faults.failed_push`): the run ends with exit 76, and a relaunch with
+`resume=auto` (the sbatch script requeues the job) starts fresh engines from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ OPEN_SESSION = "opening the weight-update session (pause_generation when pausing
 RESTART = (
     "these engines' weight post-processing is not idempotent ({why}): closing the session would re-process "
     "every module the push did not re-send and corrupt it, so it stays open and the engines keep a partial "
-    "update they cannot repair. Stop the run and restart the engines (`dsv4rl train ... resume=true` starts "
-    "new ones from the last checkpoint); never push to these engines again"
+    "update they cannot repair. Stop the run and restart the engines (the run ends with exit 76 and "
+    "<run.dir>/FAILED_PUSH; `dsv4rl train ... resume=auto` starts new ones from the last checkpoint, and the "
+    "sbatch script requeues the job so); never push to these engines again"
 )
 
 
@@ -267,13 +269,7 @@ class WeightSync:
             if self._spent:
                 raise WeightSyncError(f"{exc}\n{self._spent}") from exc
             raise
-        try:
-            self.finish_update(None)
-        except WeightSyncError as exc:
-            if self.non_idempotent is None:
-                raise
-            self._spend()  # a close that failed somewhere: what each engine post-processed is not known
-            raise WeightSyncError(f"{exc}\n{self._spent}") from exc
+        self.close_session(None)
         stats.seconds = time.monotonic() - start
         log.info(
             "weights %s pushed: %d tensors in %d buckets, %.1f MB in %.2f s (%.3f GB/s)",
@@ -345,6 +341,17 @@ class WeightSync:
 
     def _spend(self) -> None:
         self._spent = RESTART.format(why=self.non_idempotent)
+
+    def close_session(self, version: str | None) -> None:
+        """`finish_update`; when that fails on non-idempotent engines they are `spent`: what each engine
+        post-processed is not known."""
+        try:
+            self.finish_update(version)
+        except WeightSyncError as exc:
+            if self.non_idempotent is None:
+                raise
+            self._spend()
+            raise WeightSyncError(f"{exc}\n{self._spent}") from exc
 
     def finish_update(self, version: str | None) -> None:
         """Close the session (the engines' post-load processing) and continue generation if paused.

@@ -128,6 +128,7 @@ def run_align(
             "seconds": stats.seconds,
             "buckets": stats.buckets,
             "tensors": stats.tensors,
+            "transport": stats.transport.value,  # broadcast (a process group) or tensor (colocated handles)
         },
         "worst_tokens": worst_tokens(batch, trainer, driver.tokenizer, cfg.align.worst_tokens),
     }

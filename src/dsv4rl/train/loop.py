@@ -32,6 +32,7 @@ from dsv4rl.data.chat_response import ResponseParser, response_split_metrics
 from dsv4rl.data.stream import PromptStream
 from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.faults import heartbeat
+from dsv4rl.faults.failed_push import write_failed_push
 from dsv4rl.faults.stop import StopSignals, write_stopped
 from dsv4rl.metrics import MetricsWriter, StepTimer
 from dsv4rl.reward.graders import Grader, grade_responses
@@ -42,7 +43,7 @@ from dsv4rl.rollout.generate import generate_samples, rollout_seed
 from dsv4rl.rollout.types import Sample
 from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.sync.verify import SyncVerifier
-from dsv4rl.sync.weight_sync import SyncStats
+from dsv4rl.sync.weight_sync import SyncStats, WeightSyncError
 from dsv4rl.trackers.hub import Trackers, open_trackers
 from dsv4rl.train.backend import TrainerBackend
 from dsv4rl.train.batch import TrainBatch
@@ -398,10 +399,26 @@ class RLLoop:
         if colocated is not None:  # room for the update first; the KV cache once the push is done
             colocated.resume([MemoryTag.weights])
         named = self.backend.named_weights_for_sync(by_stage=self.weight_sync.by_stage)
-        stats = self.weight_sync.push(named, version=str(version), record_checksums=due and verify.checksum)
+        try:
+            stats = self.weight_sync.push(
+                named, version=str(version), record_checksums=due and verify.checksum
+            )
+        except WeightSyncError as error:
+            self.record_failed_push(version, error)
+            raise
         if colocated is not None:
             colocated.resume(KV_AND_GRAPHS)
         return stats, due
+
+    def record_failed_push(self, version: int, error: WeightSyncError) -> None:
+        """Rank 0, when the failed push left engines that must be restarted: `<run_dir>/FAILED_PUSH`, from
+        which the launcher asks for a requeue with fresh engines (`dsv4rl.faults.failed_push`)."""
+        if self.rank != 0 or not self.weight_sync.spent:
+            return
+        checkpoint = latest_checkpoint(self.checkpoint_root)
+        reason = str(error).splitlines()[0]
+        path = write_failed_push(self.run_dir, version, str(checkpoint) if checkpoint else None, reason)
+        log.error("the push of step %d failed on engines that must be restarted: %s written", version, path)
 
     def verify_sync(self, version: int, stats: SyncStats | None, due: bool) -> dict[str, float]:
         """The checks of `sync.verify` when `due`: checksums on rank 0, and the log-prob probe, whose
