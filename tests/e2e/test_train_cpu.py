@@ -29,6 +29,18 @@ NON_TIMING = ("reward_mean", "reward_std", "response_len_mean", "grad_norm", "en
 # shorter run also learns less (60 steps ended at a 10-step mean of 0.79 on 2 threads).
 LEARNING_STEPS = 120
 LEARN = f"train.steps={LEARNING_STEPS}"
+# The variants (another backend, weight format, rollout mode) run 30 steps: their cosine decay over 30 steps
+# takes the fp32 FSDP run from a 0.05 mean reward over steps 1-5 to 0.29 over the last ten; a variant
+# that did not learn would stay near 0.05. The demo keeps the full curve.
+SHORT_STEPS = 30
+SHORT = f"train.steps={SHORT_STEPS}"
+
+
+def assert_learns_in_a_short_run(rewards: list[float]) -> None:
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    assert len(rewards) == SHORT_STEPS and last >= 0.15 and last >= 2.5 * first, rewards
+
+
 ASYNC = ("algo.async_rollout=true", "algo.tis.enabled=true")
 
 
@@ -137,13 +149,13 @@ def test_released_weight_format_with_async_rollouts_learns(tmp_path: Path) -> No
     old, corrected by TIS). The run still learns. The engine binds 0.0.0.0, as on a cluster: it answers only
     the run's keys."""
     run_dir = tmp_path / "fp8_mxfp4_async"
-    train(run_dir, LEARN, "quant=fp8_mxfp4", *ASYNC, "engine.host=0.0.0.0")
+    train(run_dir, SHORT, "quant=fp8_mxfp4", *ASYNC, "engine.host=0.0.0.0")
     key_file = run_dir / "engine-keys.yaml"
     assert key_file.stat().st_mode & 0o777 == 0o600
     assert f"--config {key_file}" in (run_dir / "logs" / "engine-0.log").read_text()
     metrics = read_metrics(run_dir / "metrics.jsonl")
     rewards = [line["reward_mean"] for line in metrics]
-    assert len(metrics) == LEARNING_STEPS and sum(rewards[-10:]) / 10 >= 0.8, rewards
+    assert_learns_in_a_short_run(rewards)
     # the engine really holds quantized weights: right after a sync (same weights on both sides) its probe
     # log-probs differ from the fp32 trainer's, a little; the rollouts' difference also holds one version of
     # staleness (each batch was sampled before the last update), so it is only bounded
@@ -152,7 +164,7 @@ def test_released_weight_format_with_async_rollouts_learns(tmp_path: Path) -> No
     assert max(line["logprob_abs_diff"] for line in metrics) < 1.0
     assert all(0.0 <= line["tis_clip_fraction"] <= 1.0 for line in metrics)
     verified = [line for line in metrics if "verify_checksum_tensors" in line]  # every 10th step
-    assert len(verified) == LEARNING_STEPS // 10
+    assert len(verified) == SHORT_STEPS // 10
     assert all(line["verify_checksum_tensors"] == 252 for line in verified)  # + scales
     stored = json.loads((run_dir / "model" / "config.json").read_text())["quantization_config"]
     assert stored["weight_block_size"] == [128, 128] and stored["scale_fmt"] == "ue8m0"
@@ -237,15 +249,14 @@ def test_two_trainer_ranks(tmp_path: Path) -> None:
 def test_megatron_backend_learns(tmp_path: Path) -> None:
     """The same recipe on the Megatron backend (megatron-core through the CPU shims) learns like FSDP."""
     run_dir = tmp_path / "megatron"
-    train(run_dir, "parallel.train.backend=megatron", LEARN)
+    train(run_dir, "parallel.train.backend=megatron", SHORT)
     metrics = read_metrics(run_dir / "metrics.jsonl")
-    rewards = [line["reward_mean"] for line in metrics]
-    assert len(metrics) == LEARNING_STEPS and sum(rewards[-10:]) / 10 >= 0.8, rewards[-10:]
+    assert_learns_in_a_short_run([line["reward_mean"] for line in metrics])
     assert (
         max(line["logprob_abs_diff"] for line in metrics) < 1e-4
     )  # the exported weights are the trained ones
     assert (
-        run_dir / "checkpoints" / f"step_{LEARNING_STEPS:08d}" / "metadata.json"
+        run_dir / "checkpoints" / f"step_{SHORT_STEPS:08d}" / "metadata.json"
     ).exists()  # megatron's checkpoint
 
 
