@@ -1,28 +1,33 @@
 """Sync reward functions in worker processes, each call under its own deadline, awaited from asyncio.
 
 Why this shape (the failures peers' users report, docs/tasks.md): a reward call never runs in the trainer's
-process (a hang there stalls the step), and a timeout is never a signal in the caller (`signal.alarm`
-only works on a main thread, and a C loop ignores it). A call that passes its deadline gets its whole pool
-killed and a fresh one started; the other calls that were in flight on the killed pool are run again on
-the new one (their deadline starts over), so only the slow call is lost. A worker that dies by itself (a
-segfault, `os._exit`) gets its call one retry, then the call fails as `WorkerDied`.
+process (a hang there stalls the step), and a timeout is never a signal in the caller or the worker
+(`signal.alarm` only works on a main thread, and a C loop ignores it). Each worker is a process of its own
+with a pipe to the trainer's event loop: it gets a chunk of calls, runs them one after the other and sends
+each result back as soon as it has it. The loop knows when each call started (when the chunk was sent, or
+when the previous result came back) and holds its deadline; a call past its deadline gets its worker
+killed and a fresh one started, the rest of that worker's chunk goes back to the queue, and only the slow
+call is lost (`TIMED_OUT`). A worker that dies by itself (a segfault, `os._exit`) gives its call one more
+try, then the call fails as `WorkerDied`.
 
-At most `num_workers` calls are in flight, so a call's deadline starts when a worker is free to run it.
-Workers come from multiprocessing's fork server (they never re-import the trainer's main module) and
-import the user's reward modules when they start (`Target`s), so no deadline pays for an import.
+Chunks keep the cost per call low (one message per call back, one per chunk out: a 512-sample step of a
+cheap function costs milliseconds). Workers come from multiprocessing's fork server (they never re-import
+the trainer's main module) and import the user's reward modules before they say they are ready, so no
+deadline pays for an import.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
+import collections
+import itertools
 import logging
 import multiprocessing
 import os
 import signal
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4rl.reward.targets import Target, load_function
@@ -30,15 +35,12 @@ from dsv4rl.reward.verify_pool import TIMED_OUT, CallFailed, call_failed
 
 log = logging.getLogger(__name__)
 
+CHUNK_MAX = 16  # calls sent to a worker at once
+
 _FUNCTIONS: dict[Target, Callable[..., Any]] = {}
 
 
-def _worker_init(targets: Sequence[Target]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
-    for target in targets:
-        _FUNCTIONS[target] = load_function(target)
-
-
+# ------------------------------------------------------------------------------------------- the worker
 def call_target(target: Target, payload: Any, kwargs: dict[str, Any]) -> Any:
     """In a worker: the user's function on one sample (or one group's samples)."""
     function = _FUNCTIONS.get(target)
@@ -51,22 +53,59 @@ def call_target(target: Target, payload: Any, kwargs: dict[str, Any]) -> Any:
     return result
 
 
-def _run_one(fn: Callable[..., Any], args: tuple) -> tuple[str, Any]:
+def _worker_main(conn: Any, targets: Sequence[Target]) -> None:
+    """A worker's life: import the targets, say ready, then run chunks until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
     try:
-        return "ok", fn(*args)
+        for target in targets:
+            _FUNCTIONS[target] = load_function(target)
     except Exception as error:
-        return "error", call_failed(error)
-
-
-def _ping() -> int:
-    time.sleep(0.05)  # long enough that one fast worker cannot answer every ping
-    return os.getpid()
+        conn.send(("init_error", call_failed(error)))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            chunk = conn.recv()
+        except (EOFError, OSError):
+            return
+        if chunk is None:
+            return
+        for call_id, fn, args in chunk:
+            try:
+                out = (call_id, "ok", fn(*args))
+            except Exception as error:
+                out = (call_id, "error", call_failed(error))
+            try:
+                conn.send(out)
+            except Exception as error:  # a result that cannot be pickled
+                conn.send((call_id, "error", call_failed(error)))
 
 
 def _context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["dsv4rl.reward.graders", "dsv4rl.reward.fn_pool"])
     return context
+
+
+# ------------------------------------------------------------------------------------------- the pool
+@dataclass
+class _Call:
+    id: int
+    fn: Callable[..., Any]
+    args: tuple
+    timeout_s: float
+    future: asyncio.Future
+    deaths: int = 0
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: Any
+    ready: bool = False
+    chunk: collections.deque = field(default_factory=collections.deque)  # calls sent, not answered yet
+    timer: asyncio.TimerHandle | None = None
+    started_at: float = field(default_factory=time.monotonic)
 
 
 class AsyncProcessPool:
@@ -78,6 +117,7 @@ class AsyncProcessPool:
         targets: Sequence[Target] = (),
         label: str = "reward",
         startup_timeout_s: float = 120.0,
+        chunk_max: int = CHUNK_MAX,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 (reward.num_workers), got {num_workers}")
@@ -85,104 +125,200 @@ class AsyncProcessPool:
         self.targets = tuple(targets)
         self.label = label
         self.startup_timeout_s = startup_timeout_s
-        self.restarts = 0  # pools killed: a call past its deadline, or a worker that died
+        self.chunk_max = max(1, chunk_max)
+        self.restarts = 0  # workers killed: a call past its deadline, or a worker that died
         self.timeouts = 0
-        self._executor: cf.ProcessPoolExecutor | None = None
-        self._generation = 0  # bumped at every kill: a call that sees it change was not at fault
-        self._slots: asyncio.Semaphore | None = None
-        self._starting: asyncio.Lock | None = None
-
-    # ------------------------------------------------------------------ the pool
-    def _start(self) -> cf.ProcessPoolExecutor:
-        executor = cf.ProcessPoolExecutor(
-            self.num_workers, mp_context=_context(), initializer=_worker_init, initargs=(self.targets,)
-        )
-        seen: set[int] = set()
-        deadline = time.monotonic() + self.startup_timeout_s
-        try:  # every worker started and initialised (the user's modules imported) before any deadline
-            while len(seen) < self.num_workers:
-                pings = [executor.submit(_ping) for _ in range(self.num_workers)]
-                for future in pings:
-                    seen.add(future.result(timeout=max(0.0, deadline - time.monotonic())))
-        except Exception as error:
-            _kill(executor)
-            raise RuntimeError(
-                f"{self.label} worker processes did not start ({error!r}); does every reward module import "
-                "on its own (python -c 'import <module>')?"
-            ) from error
-        return executor
-
-    async def _ensure(self) -> tuple[cf.ProcessPoolExecutor, int]:
-        if self._starting is None:
-            self._starting = asyncio.Lock()
-        async with self._starting:
-            if self._executor is None:
-                self._executor = await asyncio.to_thread(self._start)
-            return self._executor, self._generation
-
-    def _kill(self, generation: int) -> None:
-        """Kill the pool of `generation` (once: a later call that saw the same pool finds it gone)."""
-        if self._executor is not None and generation == self._generation:
-            _kill(self._executor)
-            self._executor = None
-            self._generation += 1
-            self.restarts += 1
+        self._ids = itertools.count()
+        self._pending: collections.deque[_Call] = collections.deque()
+        self._workers: list[_Worker] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._failure: CallFailed | None = None  # workers that cannot start: every call fails with it
 
     # ------------------------------------------------------------------ calls
     async def call(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
-        """fn(*args) in a worker within `timeout_s` seconds: its value, TIMED_OUT, or CallFailed (it raised,
-        its result could not come back, or its worker died twice)."""
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.num_workers)
-        deaths = 0
-        async with self._slots:
-            while True:
-                executor, generation = await self._ensure()
-                try:
-                    future = executor.submit(_run_one, fn, args)
-                except (BrokenProcessPool, RuntimeError):  # killed under us between ensure and submit
-                    self._kill(generation)
-                    continue
-                waiting = asyncio.wrap_future(future)
-                try:
-                    status, value = await asyncio.wait_for(asyncio.shield(waiting), timeout_s)
-                except TimeoutError:
-                    waiting.add_done_callback(_consume)  # it fails with the killed pool: nobody waits on it
-                    self.timeouts += 1
-                    self._kill(generation)
-                    log.warning("%s call took over %.1f s: its worker pool was killed and restarted",
-                                self.label, timeout_s)  # fmt: skip
-                    return TIMED_OUT
-                except (BrokenProcessPool, asyncio.CancelledError) as error:
-                    if isinstance(error, asyncio.CancelledError) and not future.cancelled():
-                        raise  # this task was cancelled, not the pool's future
-                    if generation != self._generation:
-                        continue  # another call's deadline killed the pool: run this one again
-                    deaths += 1
-                    self._kill(generation)
-                    if deaths >= 2:
-                        return CallFailed("WorkerDied", "the worker process died twice running this call")
-                    continue
-                except Exception as error:  # the result could not be pickled back
-                    return call_failed(error)
-                return value  # status "error": a CallFailed
+        """fn(*args) in a worker within `timeout_s` seconds of starting: its value, TIMED_OUT, or CallFailed
+        (it raised, its result could not come back, or its worker died twice)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._adopt(loop)
+        if self._failure is not None:
+            return self._failure
+        future = loop.create_future()
+        self._pending.append(_Call(next(self._ids), fn, args, timeout_s, future))
+        self._pump()
+        return await future
+
+    async def start(self) -> None:
+        """Start the workers now and wait until each has imported the reward modules (before the first
+        step, so that no step pays for it); a worker that cannot start raises RuntimeError."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._adopt(loop)
+        while self._failure is None and not all(w.ready for w in self._workers):
+            await asyncio.sleep(0.02)
+        if self._failure is not None:
+            raise RuntimeError(f"{self.label} workers: {self._failure.message}\n{self._failure.traceback}")
+
+    def _adopt(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve from `loop` (the first call; or the workers of another loop are dropped)."""
+        self.close()
+        self._loop = loop
+        self._workers = [self._spawn() for _ in range(self.num_workers)]
+
+    # ------------------------------------------------------------------ workers
+    def _spawn(self) -> _Worker:
+        parent, child = multiprocessing.Pipe(duplex=True)
+        process = _context().Process(target=_worker_main, args=(child, self.targets), daemon=True)
+        process.start()
+        child.close()
+        worker = _Worker(process, parent)
+        self._loop.add_reader(parent.fileno(), self._readable, worker)
+        worker.timer = self._loop.call_later(self.startup_timeout_s, self._start_expired, worker)
+        return worker
+
+    def _replace(self, worker: _Worker) -> None:
+        """Kill `worker` and start a fresh one in its place."""
+        self._stop(worker, kill=True)
+        self.restarts += 1
+        if self._failure is None:
+            self._workers[self._workers.index(worker)] = self._spawn()
+
+    def _stop(self, worker: _Worker, kill: bool) -> None:
+        if worker.timer is not None:
+            worker.timer.cancel()
+        try:
+            self._loop.remove_reader(worker.conn.fileno())
+        except (OSError, ValueError, RuntimeError):
+            pass  # closed already
+        if kill and worker.process.is_alive():
+            worker.process.kill()
+        elif not kill:
+            try:
+                worker.conn.send(None)
+            except OSError:
+                pass
+        worker.conn.close()
+        worker.process.join(timeout=5)
+        if worker.process.is_alive():
+            worker.process.kill()
+            worker.process.join(timeout=5)
+
+    def _start_expired(self, worker: _Worker) -> None:
+        if not worker.ready:
+            self._fail_all(CallFailed("WorkerStartFailed", f"a {self.label} worker did not start within "
+                                      f"{self.startup_timeout_s:g} s (importing the reward modules)"))  # fmt: skip
+
+    def _fail_all(self, failure: CallFailed) -> None:
+        """Workers cannot start: every call, now and later, fails with `failure`."""
+        self._failure = failure
+        for worker in self._workers:
+            for call in worker.chunk:
+                _resolve(call, failure)
+            worker.chunk.clear()
+            self._stop(worker, kill=True)
+        while self._pending:
+            _resolve(self._pending.popleft(), failure)
+        log.error("%s: %s", failure.error_type, failure.message)
+
+    def _readable(self, worker: _Worker) -> None:
+        while True:
+            try:
+                if not worker.conn.poll():
+                    return
+                message = worker.conn.recv()
+            except (EOFError, OSError):
+                self._died(worker)
+                return
+            if message[0] == "ready":
+                worker.ready = True
+                worker.timer.cancel()
+                worker.timer = None
+                self._pump()
+            elif message[0] == "init_error":
+                self._fail_all(message[1])
+                return
+            else:
+                self._answered(worker, *message)
+
+    def _answered(self, worker: _Worker, call_id: int, status: str, value: Any) -> None:
+        call = worker.chunk.popleft()
+        assert call.id == call_id, (call.id, call_id)
+        _resolve(call, value)  # status "error": a CallFailed
+        self._arm(worker)
+
+    def _arm(self, worker: _Worker) -> None:
+        """The next call of the worker's chunk starts now: hold its deadline; an idle worker takes more."""
+        if worker.timer is not None:
+            worker.timer.cancel()
+            worker.timer = None
+        if worker.chunk:
+            call = worker.chunk[0]
+            worker.timer = self._loop.call_later(call.timeout_s, self._expired, worker, call.id)
+        else:
+            self._pump()
+
+    def _expired(self, worker: _Worker, call_id: int) -> None:
+        if not worker.chunk or worker.chunk[0].id != call_id:
+            return
+        call = worker.chunk.popleft()
+        self.timeouts += 1
+        log.warning("%s call took over %.1f s: its worker was killed and restarted", self.label, call.timeout_s)
+        _resolve(call, TIMED_OUT)
+        self._pending.extendleft(reversed(worker.chunk))  # the rest of its chunk runs again elsewhere
+        worker.chunk.clear()
+        self._replace(worker)
+        self._pump()
+
+    def _died(self, worker: _Worker) -> None:
+        if not worker.ready:  # died while importing the reward modules: it would again
+            code = worker.process.exitcode
+            self._fail_all(CallFailed("WorkerStartFailed", f"a {self.label} worker died while starting "
+                                      f"(exit code {code}); does every reward module import on its own?"))  # fmt: skip
+            return
+        if worker.chunk:
+            call = worker.chunk.popleft()
+            call.deaths += 1
+            if call.deaths >= 2:
+                _resolve(call, CallFailed("WorkerDied", "the worker process died twice running this call"))
+            else:
+                self._pending.appendleft(call)
+            self._pending.extendleft(reversed(worker.chunk))
+            worker.chunk.clear()
+        self._replace(worker)
+        self._pump()
+
+    def _pump(self) -> None:
+        """Send chunks to idle ready workers: an even share of the queue, at most `chunk_max` calls."""
+        for worker in self._workers:
+            while self._pending and self._pending[0].future.done():  # its caller went away
+                self._pending.popleft()
+            if not self._pending:
+                return
+            if not worker.ready or worker.chunk:
+                continue
+            share = -(-len(self._pending) // self.num_workers)
+            chunk = []
+            while self._pending and len(chunk) < min(self.chunk_max, share):
+                call = self._pending.popleft()
+                if not call.future.done():
+                    chunk.append(call)
+            if not chunk:
+                continue
+            worker.chunk.extend(chunk)
+            try:
+                worker.conn.send([(call.id, call.fn, call.args) for call in chunk])
+            except OSError:
+                self._died(worker)
+                return
+            self._arm(worker)
 
     def close(self) -> None:
-        if self._executor is not None:
-            _kill(self._executor)
-            self._executor = None
+        """Stop the workers (calls still waiting get nothing more)."""
+        for worker in self._workers:
+            self._stop(worker, kill=bool(worker.chunk) or not worker.ready)
+        self._workers = []
 
 
-def _consume(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
-def _kill(executor: cf.ProcessPoolExecutor) -> None:
-    processes = list((getattr(executor, "_processes", None) or {}).values())  # no public API < 3.14
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-    executor.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
-        process.join(timeout=5)
+def _resolve(call: _Call, value: Any) -> None:
+    if not call.future.done():
+        call.future.set_result(value)

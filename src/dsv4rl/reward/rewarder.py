@@ -103,6 +103,11 @@ class RewardSet:
             scorers.append(JudgeScorer(spec, j, dirs))
         return cls(scorers, pool, cfg.max_error_fraction)
 
+    async def start(self) -> None:
+        """Start the worker pool before the first step (its imports are paid for here)."""
+        if self.pool is not None:
+            await self.pool.start()
+
     @property
     def specs(self) -> list[FnSpec]:
         return [scorer.spec for scorer in self.scorers]

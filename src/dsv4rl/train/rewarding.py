@@ -62,6 +62,11 @@ def reward_inputs(
     return out
 
 
+def calls_for(rewards: RewardSet) -> int:
+    """/generate calls per engine: one for rule graders alone, `OVERLAP_CALLS_PER_ENGINE` otherwise."""
+    return 1 if rewards.cheap else OVERLAP_CALLS_PER_ENGINE
+
+
 @dataclass
 class Round:
     """A generation round: the samples (prompt-major), each one's reasoning/answer split (chat format
@@ -82,8 +87,10 @@ async def generate_and_score(
     step: int,
     attempt: int,
     first_index: int,
+    calls_per_engine: int | None = None,
 ) -> Round:
-    """Generate `problems`' groups on the engines and score each group as it arrives."""
+    """Generate `problems`' groups on the engines and score each group as it arrives; `calls_per_engine`
+    overrides `calls_for` (benchmarks)."""
     algo = cfg.algo
     rewards: RewardSet = driver.rewards
     parser: ResponseParser | None = driver.parser
@@ -113,7 +120,7 @@ async def generate_and_score(
             renderer=driver.renderer,
             choices=ChoiceRequest(algo.routing_replay, algo.indexer_replay),
             on_group=on_group,
-            requests_per_engine=1 if rewards.cheap else OVERLAP_CALLS_PER_ENGINE,
+            requests_per_engine=calls_per_engine or calls_for(rewards),
         )
         generated = time.monotonic()
         scored = await asyncio.gather(*(tasks[group] for group in sorted(tasks)))

@@ -70,13 +70,15 @@ def build_driver(
     # The tiny model builds its tokenizer; a model directory carries its own.
     tokenizer = run_tokenizer(cfg.model)
     renderer = PromptRenderer(tokenizer, data_chat_settings(cfg.data))
+    rewards = RewardSet.from_config(cfg.reward, reward_base_dirs(cfg))
+    event_loop.run_until_complete(rewards.start())  # the reward workers import the user's modules now
     evaluator = None
     if cfg.eval is not None and cfg.eval.every_steps > 0:
         evaluator = PeriodicEval(cfg, clients, tokenizer, event_loop, run_dir)
     return Driver(
         clients=clients,
         stream=build_prompt_stream(cfg, renderer),
-        rewards=RewardSet.from_config(cfg.reward, reward_base_dirs(cfg)),
+        rewards=rewards,
         tokenizer=tokenizer,
         metrics_path=run_dir / "metrics.jsonl",
         event_loop=event_loop,
