@@ -113,7 +113,9 @@ def test_malformed_json(service: str) -> None:
 
 
 def test_wrong_length(service: str) -> None:
-    with pytest.raises(RewardHTTPError, match="returned 2 results for 3 samples; it must return one per sample"):
+    with pytest.raises(
+        RewardHTTPError, match="returned 2 results for 3 samples; it must return one per sample"
+    ):
         post(scorer(service, "short"), samples(3))
 
 

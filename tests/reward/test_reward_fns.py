@@ -73,11 +73,16 @@ def test_a_misspelled_module_or_function_is_named() -> None:
 
 
 def test_signature_must_take_the_sample_and_the_kwargs() -> None:
-    functions = {name: load_function(parse_target(f"{FNS}:{name}", [HERE])) for name in ("ok", "sleepy", "no_sample")}
+    functions = {
+        name: load_function(parse_target(f"{FNS}:{name}", [HERE])) for name in ("ok", "sleepy", "no_sample")
+    }
     assert signature_problem(functions["ok"], {}, group=False) is None
     assert signature_problem(functions["sleepy"], {"delay": 1}, group=False) is None
     problem = signature_problem(functions["ok"], {"delay": 1}, group=False)
-    assert "cannot be called as ok(sample, delay=...)" in problem and "def ok(sample: RewardInput, **kwargs)" in problem
+    assert (
+        "cannot be called as ok(sample, delay=...)" in problem
+        and "def ok(sample: RewardInput, **kwargs)" in problem
+    )
     assert "def no_sample(sample: RewardInput" in signature_problem(functions["no_sample"], {}, group=False)
 
 
@@ -155,7 +160,11 @@ def test_timeout_error_and_none_under_exclude() -> None:
     # sample 1 (index 1): slow scored it; sample 0: only boom (0.5)
     assert combined.scored == [True] * 8 and combined.totals[0] == 0.5 and combined.totals[1] == 1.0
     metrics = combined.metrics
-    assert (metrics["reward/slow/timeouts"], metrics["reward/boom/errors"], metrics["reward/none/none"]) == (2, 4, 8)
+    assert (metrics["reward/slow/timeouts"], metrics["reward/boom/errors"], metrics["reward/none/none"]) == (
+        2,
+        4,
+        8,
+    )
     assert metrics["reward/slow/length"] == 1.0 and rewards.pool.restarts == 2
 
 
@@ -167,7 +176,9 @@ def test_a_sample_no_function_scores_is_excluded() -> None:
 
 
 def test_zero_scores_the_failures_zero_and_a_builtin_its_incorrect() -> None:
-    cfg = RewardConfig(incorrect=-1.0, fns=[fn("boom", "raises", on_error="zero"), fn("text", "returns_text")])
+    cfg = RewardConfig(
+        incorrect=-1.0, fns=[fn("boom", "raises", on_error="zero"), fn("text", "returns_text")]
+    )
     _, outcomes = score(cfg, samples(["7", "7"]))
     assert [o["boom"].score for o in outcomes] == [0.5, 0.0]
     assert outcomes[0]["text"].score == 0.0 and "returned str 'seven'" in outcomes[0]["text"].error
@@ -191,7 +202,9 @@ def test_fail_stops_with_the_users_file_and_line() -> None:
 def test_too_many_errors_stop_the_step_with_the_first_traceback() -> None:
     cfg = RewardConfig(max_error_fraction=0.25, fns=[fn("boom", "raises")])
     rewards, outcomes = score(cfg, samples(["7"] * 4))
-    with pytest.raises(RewardError, match=r"2 of 4 calls this step failed \(50%, more than reward.max_error_fraction=0.25\)"):
+    with pytest.raises(
+        RewardError, match=r"2 of 4 calls this step failed \(50%, more than reward.max_error_fraction=0.25\)"
+    ):
         rewards.combine(outcomes)
     assert rewards.combine(outcomes[:1] * 4).metrics["reward/boom/errors"] == 0  # no error: no stop
 
@@ -211,6 +224,14 @@ def test_an_async_function_past_its_timeout() -> None:
 
 def test_metrics_are_means_over_the_scored_samples() -> None:
     spec = FnSpec("f", "t", 1.0, RewardOnError.zero, 1.0)
-    outcomes = [{"f": Outcome(1.0, {"len": 2.0})}, {"f": Outcome(None, {}, "none")}, {"f": Outcome(0.0, {"len": 4.0})}]
+    outcomes = [
+        {"f": Outcome(1.0, {"len": 2.0})},
+        {"f": Outcome(None, {}, "none")},
+        {"f": Outcome(0.0, {"len": 4.0})},
+    ]
     metrics = function_metrics([spec], outcomes)
-    assert metrics["reward/f/score"] == 0.5 and metrics["reward/f/len"] == 3.0 and metrics["reward/f/scored"] == 2
+    assert (
+        metrics["reward/f/score"] == 0.5
+        and metrics["reward/f/len"] == 3.0
+        and metrics["reward/f/scored"] == 2
+    )

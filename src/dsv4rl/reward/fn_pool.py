@@ -262,7 +262,9 @@ class AsyncProcessPool:
             return
         call = worker.chunk.popleft()
         self.timeouts += 1
-        log.warning("%s call took over %.1f s: its worker was killed and restarted", self.label, call.timeout_s)
+        log.warning(
+            "%s call took over %.1f s: its worker was killed and restarted", self.label, call.timeout_s
+        )
         _resolve(call, TIMED_OUT)
         self._pending.extendleft(reversed(worker.chunk))  # the rest of its chunk runs again elsewhere
         worker.chunk.clear()
