@@ -108,7 +108,8 @@ def test_an_unusable_result_is_the_functions_error(value, message) -> None:
 
 def test_user_frame_is_the_users_file_and_line() -> None:
     text = (
-        'Traceback (most recent call last):\n  File "/x/src/dsv4rl/reward/fn_pool.py", line 60, in call_target\n'
+        "Traceback (most recent call last):\n"
+        '  File "/x/src/dsv4rl/reward/fn_pool.py", line 60, in call_target\n'
         '  File "/home/me/task/reward.py", line 12, in score\nZeroDivisionError: division by zero\n'
     )
     assert user_frame(text) == "/home/me/task/reward.py:12 in score"
@@ -148,8 +149,8 @@ def test_timeout_error_and_none_under_exclude() -> None:
     """The slow calls are killed at their timeout, the run goes on; the counts are in the metrics."""
     cfg = RewardConfig(
         num_workers=2,
-        fns=[fn("slow", "sleepy", timeout_s=0.5, on_error="exclude"), fn("boom", "raises", on_error="exclude"),
-             fn("none", "nothing", on_error="exclude")],
+        fns=[fn("slow", "sleepy", timeout_s=0.5, on_error="exclude"),
+             fn("boom", "raises", on_error="exclude"), fn("none", "nothing", on_error="exclude")],
     )  # fmt: skip
     rewards, outcomes = score(cfg, samples(["7"] * 8))
     assert [o["slow"].status for o in outcomes] == ["timeout", "ok", "ok", "ok"] * 2

@@ -31,8 +31,9 @@ router = APIRouter()
 # The ChatCompletionRequest fields the reference engine reads (others are accepted and ignored, as long as
 # they ask for nothing it cannot do: `UNSERVED`).
 CHAT_FIELDS = (
-    "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-    "separate_reasoning", "chat_template_kwargs", "skip_special_tokens", "stream", "n", "logprobs", "tools",
+    "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+    "stop", "separate_reasoning", "chat_template_kwargs", "skip_special_tokens", "stream", "n", "logprobs",
+    "tools",
 )  # fmt: skip
 UNSERVED = {"stream": False, "n": 1, "logprobs": False, "tools": None}
 DEFAULT_MAX_TOKENS = 128

@@ -3,7 +3,8 @@
 `create_app(model_path, ...)` loads the model and tokenizer and returns the app; `main(argv)` serves it
 with uvicorn. The generation and control endpoints live here; the weight-update endpoints
 (`dsv4rl.engine.weight_routes`), the memory endpoints (`dsv4rl.engine.memory_routes`) and the chat
-completions a judge asks (`dsv4rl.engine.chat_routes`) are routers the app includes. Every handler works on the app's `Engine` (`dsv4rl.engine.state`).
+completions a judge asks (`dsv4rl.engine.chat_routes`) are routers the app includes. Every handler works
+on the app's `Engine` (`dsv4rl.engine.state`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -186,17 +187,13 @@ class AsyncProcessPool:
     def _stop(self, worker: _Worker, kill: bool) -> None:
         if worker.timer is not None:
             worker.timer.cancel()
-        try:
+        with contextlib.suppress(OSError, ValueError, RuntimeError):  # closed already
             self._loop.remove_reader(worker.conn.fileno())
-        except (OSError, ValueError, RuntimeError):
-            pass  # closed already
         if kill and worker.process.is_alive():
             worker.process.kill()
         elif not kill:
-            try:
+            with contextlib.suppress(OSError):
                 worker.conn.send(None)
-            except OSError:
-                pass
         worker.conn.close()
         worker.process.join(timeout=5)
         if worker.process.is_alive():
@@ -205,8 +202,8 @@ class AsyncProcessPool:
 
     def _start_expired(self, worker: _Worker) -> None:
         if not worker.ready:
-            self._fail_all(CallFailed("WorkerStartFailed", f"a {self.label} worker did not start within "
-                                      f"{self.startup_timeout_s:g} s (importing the reward modules)"))  # fmt: skip
+            why = f"a {self.label} worker did not start within {self.startup_timeout_s:g} s (its imports)"
+            self._fail_all(CallFailed("WorkerStartFailed", why))
 
     def _fail_all(self, failure: CallFailed) -> None:
         """Workers cannot start: every call, now and later, fails with `failure`."""
@@ -274,8 +271,8 @@ class AsyncProcessPool:
     def _died(self, worker: _Worker) -> None:
         if not worker.ready:  # died while importing the reward modules: it would again
             code = worker.process.exitcode
-            self._fail_all(CallFailed("WorkerStartFailed", f"a {self.label} worker died while starting "
-                                      f"(exit code {code}); does every reward module import on its own?"))  # fmt: skip
+            why = f"a {self.label} worker died starting (exit code {code}); does each reward module import?"
+            self._fail_all(CallFailed("WorkerStartFailed", why))
             return
         if worker.chunk:
             call = worker.chunk.popleft()
