@@ -84,6 +84,8 @@ def select(records: list[dict[str, Any]], n: int, sort: RolloutSort) -> tuple[li
     n = max(0, min(n, len(ordered)))
     top = ordered[:n]
     rest = [r for r in ordered if r not in top]
+    if sort == RolloutSort.reward:  # the worst scored samples; excluded ones only when nothing else is left
+        rest = [r for r in rest if not r.get("excluded")] or rest
     bottom = list(reversed(rest[-n:])) if n else []
     return top, bottom
 
