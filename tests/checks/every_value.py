@@ -49,12 +49,12 @@ def build(cfg: schema.Config, root: Path, models: dict) -> None:
     """What a run builds from the recipe before its first step, in this process (a world of 1)."""
     import torch
 
+    from dsv4rl.config.compose import reward_base_dirs
     from dsv4rl.data.stream import build_prompt_stream
     from dsv4rl.eval.data import eval_problems
     from dsv4rl.launcher.plan import build_local_plan
     from dsv4rl.model.model_dir import materialize_model
     from dsv4rl.model.tiny import checkpoint_wire_format
-    from dsv4rl.config.compose import reward_base_dirs
     from dsv4rl.reward.graders import get_grader
     from dsv4rl.reward.rewarder import RewardSet
     from dsv4rl.topology import weight_sync_sources

@@ -42,7 +42,8 @@ def test_the_cases_cover_every_group_option_and_enum_value(outcomes) -> None:
     assert set(outcomes) == set(cases)
     for expected in ("parallel.train.backend=megatron", "optim.name=adamw", "sync.pause_mode=in_place",
                      "reward.grader=math_verify", "parallel=cpu_fsdp2", "quant=fp8_mxfp4",
-                     "reward.judge.on_error=fail", "reward.fns=[{name: f, target: 'builtin:arith', on_error: exclude}]"):  # fmt: skip
+                     "reward.judge.on_error=fail",
+                     "reward.fns=[{name: f, target: 'builtin:arith', on_error: exclude}]"):  # fmt: skip
         assert expected in outcomes
 
 

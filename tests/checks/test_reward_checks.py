@@ -61,7 +61,8 @@ def test_the_recipe_rules_of_functions_remote_and_judge() -> None:
         fns("{name: '', target: 'builtin:arith'}", "{name: x, target: 'builtin:arith', kwargs: {tail: 3}}",
             "{name: x, target: 'builtin:arithm', weight: 0}", "{name: y, target: 'nope', timeout_s: 0}",
             "{name: g, target: 'builtin:dapo', group: true}"),
-        "reward.remote.url=ftp://x", "reward.judge.base_url=http://j", "reward.judge.prompt_template='{answr}'",
+        "reward.remote.url=ftp://x", "reward.judge.base_url=http://j",
+        "reward.judge.prompt_template='{answr}'",
         "reward.judge.parse='(['", "run.save_rollouts=-1",
         check_paths=False,
     )  # fmt: skip

@@ -147,8 +147,9 @@ def test_every_other_column_reaches_the_problem(tmp_path):
            "entry_point": "f", "extra": {"a": [1, {"b": 2}]}}  # fmt: skip
     rows.write_text(json.dumps(row) + "\n")
     (problem,) = load_file_problems(rows, prompt_key="prompt", answer_key="reward_model.ground_truth")
-    assert problem.metadata == {"reward_model": {"style": "rule"}, "tests": ["assert f(1)"], "entry_point": "f",
-                                "extra": {"a": [1, {"b": 2}]}}  # fmt: skip
+    expected = {"reward_model": {"style": "rule"}, "tests": ["assert f(1)"], "entry_point": "f",
+                "extra": {"a": [1, {"b": 2}]}}  # fmt: skip
+    assert problem.metadata == expected
     assert problem == load_file_problems(rows, prompt_key="prompt", answer_key="reward_model.ground_truth")[0]
     arith = ArithProblems(ArithDataConfig(max_operand=1), 0)
     assert arith[1].metadata == {"a": 0, "op": "+", "b": 1}
