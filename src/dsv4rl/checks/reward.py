@@ -16,7 +16,6 @@ from dsv4rl.config.compose import reward_base_dirs
 from dsv4rl.config.schema import Config, GraderName, RewardFnConfig
 from dsv4rl.reward.graders import grader_options
 from dsv4rl.reward.judge import reply_parser, template_problem
-from dsv4rl.reward.results import COUNT_KEYS
 from dsv4rl.reward.rewarder import effective_fns
 from dsv4rl.reward.targets import (
     BUILTIN,
@@ -81,9 +80,6 @@ def check_reward(cfg: Config, add: Add) -> None:
     if duplicates:
         add(f"reward function names repeat: {duplicates}; each needs its own (reward.remote.name, "
             "reward.judge.name too)")  # fmt: skip
-    reserved = sorted(set(names) & set(COUNT_KEYS))
-    if reserved:
-        add(f"reward function names {reserved} are reserved; rename them")
     if (r.fns or r.remote.url or r.judge.base_url) and not any(w != 0 for w in weights):
         add("every reward function has weight 0 (logged only): give at least one a weight, or nothing trains")
     _check_number(

@@ -11,9 +11,10 @@ call is lost (`TIMED_OUT`). A worker that dies by itself (a segfault, `os._exit`
 try, then the call fails as `WorkerDied`.
 
 Chunks keep the cost per call low (one message per call back, one per chunk out: a 512-sample step of a
-cheap function costs milliseconds). Workers come from multiprocessing's fork server (they never re-import
-the trainer's main module) and import the user's reward modules before they say they are ready, so no
-deadline pays for an import.
+cheap function costs milliseconds). A worker is a fresh interpreter (`python -m dsv4rl.reward.fn_worker`,
+the trainer's import path and working directory) that never imports the trainer's modules (a restart
+costs its own imports, not torch's), and imports the user's reward modules before it says it is ready, so
+no deadline pays for an import.
 """
 
 from __future__ import annotations
@@ -23,69 +24,28 @@ import collections
 import contextlib
 import itertools
 import logging
-import multiprocessing
 import os
-import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
-from dsv4rl.reward.targets import Target, load_function
-from dsv4rl.reward.verify_pool import TIMED_OUT, CallFailed, call_failed
+from dsv4rl.reward.targets import Target
+from dsv4rl.reward.verify_pool import TIMED_OUT, CallFailed
 
 log = logging.getLogger(__name__)
 
 CHUNK_MAX = 16  # calls sent to a worker at once
 
-_FUNCTIONS: dict[Target, Callable[..., Any]] = {}
 
-
-# ------------------------------------------------------------------------------------------- the worker
-def call_target(target: Target, payload: Any, kwargs: dict[str, Any]) -> Any:
-    """In a worker: the user's function on one sample (or one group's samples)."""
-    function = _FUNCTIONS.get(target)
-    if function is None:
-        function = _FUNCTIONS[target] = load_function(target)
-    result = function(payload, **kwargs)
-    if asyncio.iscoroutine(result):
-        result.close()
-        raise TypeError(f"{target.spec} returned a coroutine: an async function must be declared `async def`")
-    return result
-
-
-def _worker_main(conn: Any, targets: Sequence[Target]) -> None:
-    """A worker's life: import the targets, say ready, then run chunks until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
-    try:
-        for target in targets:
-            _FUNCTIONS[target] = load_function(target)
-    except Exception as error:
-        conn.send(("init_error", call_failed(error)))
-        return
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            chunk = conn.recv()
-        except (EOFError, OSError):
-            return
-        if chunk is None:
-            return
-        for call_id, fn, args in chunk:
-            try:
-                out = (call_id, "ok", fn(*args))
-            except Exception as error:
-                out = (call_id, "error", call_failed(error))
-            try:
-                conn.send(out)
-            except Exception as error:  # a result that cannot be pickled
-                conn.send((call_id, "error", call_failed(error)))
-
-
-def _context() -> multiprocessing.context.BaseContext:
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["dsv4rl.reward.graders", "dsv4rl.reward.fn_pool"])
-    return context
+def _child_env() -> dict[str, str]:
+    """The worker's environment: this process's, with its import path (the user's modules import the same)."""
+    paths = [p if p else os.getcwd() for p in sys.path]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
 # ------------------------------------------------------------------------------------------- the pool
@@ -101,8 +61,8 @@ class _Call:
 
 @dataclass
 class _Worker:
-    process: Any
-    conn: Any
+    process: subprocess.Popen
+    conn: Connection
     ready: bool = False
     chunk: collections.deque = field(default_factory=collections.deque)  # calls sent, not answered yet
     timer: asyncio.TimerHandle | None = None
@@ -168,10 +128,15 @@ class AsyncProcessPool:
 
     # ------------------------------------------------------------------ workers
     def _spawn(self) -> _Worker:
-        parent, child = multiprocessing.Pipe(duplex=True)
-        process = _context().Process(target=_worker_main, args=(child, self.targets), daemon=True)
-        process.start()
-        child.close()
+        ours, theirs = socket.socketpair()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "dsv4rl.reward.fn_worker", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env=_child_env(),
+        )
+        theirs.close()
+        parent = Connection(ours.detach())
+        parent.send(list(self.targets))
         worker = _Worker(process, parent)
         self._loop.add_reader(parent.fileno(), self._readable, worker)
         worker.timer = self._loop.call_later(self.startup_timeout_s, self._start_expired, worker)
@@ -189,16 +154,17 @@ class AsyncProcessPool:
             worker.timer.cancel()
         with contextlib.suppress(OSError, ValueError, RuntimeError):  # closed already
             self._loop.remove_reader(worker.conn.fileno())
-        if kill and worker.process.is_alive():
+        if kill and worker.process.poll() is None:
             worker.process.kill()
         elif not kill:
             with contextlib.suppress(OSError):
                 worker.conn.send(None)
         worker.conn.close()
-        worker.process.join(timeout=5)
-        if worker.process.is_alive():
+        try:
+            worker.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             worker.process.kill()
-            worker.process.join(timeout=5)
+            worker.process.wait(timeout=5)
 
     def _start_expired(self, worker: _Worker) -> None:
         if not worker.ready:
@@ -270,7 +236,7 @@ class AsyncProcessPool:
 
     def _died(self, worker: _Worker) -> None:
         if not worker.ready:  # died while importing the reward modules: it would again
-            code = worker.process.exitcode
+            code = worker.process.poll()
             why = f"a {self.label} worker died starting (exit code {code}); does each reward module import?"
             self._fail_all(CallFailed("WorkerStartFailed", why))
             return
