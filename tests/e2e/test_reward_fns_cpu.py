@@ -33,11 +33,13 @@ def test_user_functions_faults_and_rollout_records(tmp_path: Path) -> None:
     fns = ", ".join([
         f"{{name: ok, target: {EXAMPLES}/arith_reward.py:score}}",
         "{name: arith, target: 'builtin:arith', weight: 0}",
-        f"{{name: slow, target: {USER}:sleepy, weight: 0, timeout_s: 0.5, on_error: exclude, kwargs: {{delay: 5, every: 128}}}}",
+        f"{{name: slow, target: {USER}:sleepy, weight: 0, timeout_s: 0.5, on_error: exclude, "
+        "kwargs: {delay: 5, every: 128}}",
         f"{{name: boom, target: {USER}:raises, weight: 0, on_error: exclude, kwargs: {{every: 64}}}}",
         f"{{name: none, target: {USER}:nothing, weight: 0}}",
         f"{{name: agree, target: {EXAMPLES}/group_reward.py:agreement, weight: 0, group: true}}",
-        f"{{name: format, target: {EXAMPLES}/format_length.py:format_reward, weight: 0, kwargs: {{bare_integer: true}}}}",
+        f"{{name: format, target: {EXAMPLES}/format_length.py:format_reward, weight: 0, "
+        "kwargs: {bare_integer: true}}",
         f"{{name: aok, target: {USER}:async_ok, weight: 0}}",
     ])  # fmt: skip
     run = tmp_path / "run"
@@ -62,8 +64,8 @@ def test_user_functions_faults_and_rollout_records(tmp_path: Path) -> None:
         assert (
             line["grader_timeouts"] == 4 and line["grader_errors"] == 8 and line["reward_pool_restarts"] == 4
         )
-    shown = subprocess.run([sys.executable, "-m", "dsv4rl.cli", "rollouts", str(run), "--step", "2", "--json"],
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    argv = [sys.executable, "-m", "dsv4rl.cli", "rollouts", str(run), "--step", "2", "--json"]
+    shown = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
     data = json.loads(shown.stdout)
     assert data["step"] == 2 and len(data["samples"]) == 512
@@ -90,11 +92,12 @@ def test_code_task_example(tmp_path: Path) -> None:
     """examples/code_tests.yaml: each row's unit tests (columns of its own) run on the response in a
     subprocess; the tiny model's one digit is the body of `solution()`."""
     run = tmp_path / "run"
-    train_recipe(EXAMPLES / "code_tests.yaml", run, "train.steps=3", "run.save_rollouts=3")
+    batch = ("algo.prompts_per_step=8", "algo.group_size=8")  # 64 subprocesses a step
+    train_recipe(EXAMPLES / "code_tests.yaml", run, "train.steps=3", "run.save_rollouts=3", *batch)
     metrics = read_metrics(run / "metrics.jsonl")
     assert len(metrics) == 3
     for line in metrics:
-        assert line["reward/tests/scored"] == 512 and line["reward/tests/errors"] == 0
+        assert line["reward/tests/scored"] == 64 and line["reward/tests/errors"] == 0
         assert (
             0.0 < line["reward/tests/compiled"] <= 1.0 and line["reward_mean"] == line["reward/tests/score"]
         )

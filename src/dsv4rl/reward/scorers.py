@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dsv4rl.config.schema import RewardOnError
-from dsv4rl.reward.fn_pool import AsyncProcessPool, call_target
+from dsv4rl.reward.fn_pool import AsyncProcessPool
+from dsv4rl.reward.fn_worker import call_target
 from dsv4rl.reward.graders import Grader, PooledGrader
 from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.targets import Target
