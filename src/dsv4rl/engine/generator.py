@@ -37,6 +37,10 @@ log = logging.getLogger("dsv4rl.engine")
 
 ABORT_RUNNING = "Aborted"
 ABORT_WAITING = "Abort in waiting queue"
+# A new batch waits until requests have stopped arriving for this long (at most BATCH_SETTLE_MAX_S): calls
+# sent together then start together (`Generator._settling`).
+BATCH_SETTLE_S = 0.02
+BATCH_SETTLE_MAX_S = 0.1
 DEFAULT_DETERMINISTIC_SEED = 42  # SGLang's seed for requests without sampling_seed (sampling_batch_info.py)
 
 
@@ -317,6 +321,19 @@ class Generator:
         request.notify()
         self._cond.notify_all()
 
+    def _settling(self) -> bool:
+        """Whether to wait a moment before starting a batch (holding the lock's condition): requests that
+        arrive together in several calls (a trainer that scores each group as it lands sends several) start
+        as one batch, not one batch each, since a batch runs to its end before the next starts. The wait
+        lasts until no request came for `BATCH_SETTLE_S`, at most `BATCH_SETTLE_MAX_S` after the first."""
+        now = time.monotonic()
+        newest = max(r.created for r in self._waiting)
+        oldest = min(r.created for r in self._waiting)
+        if now - newest >= BATCH_SETTLE_S or now - oldest >= BATCH_SETTLE_MAX_S:
+            return False
+        self._cond.wait(timeout=BATCH_SETTLE_S - (now - newest))
+        return True
+
     def _take_batch(self) -> list[GenRequest]:
         length = len(self._waiting[0].sequence())
         batch = [r for r in self._waiting if len(r.sequence()) == length][: self.max_batch_size]
@@ -336,6 +353,8 @@ class Generator:
                 )
                 if self._stop:
                     return
+                if self._settling():
+                    continue
                 batch = self._take_batch()
             # The hang watchdog sees a batch in progress; health checks and warmup are no generate batch.
             work = "generate" if any(not r.internal for r in batch) else "health_check"
