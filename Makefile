@@ -54,8 +54,8 @@ test-fast:
 	$(PY) -m pytest -q -m "not slow"
 
 lint:
-	$(PY) -m ruff check src tests bench
-	$(PY) -m ruff format --check src tests bench
+	$(PY) -m ruff check src tests bench examples
+	$(PY) -m ruff format --check src tests bench examples
 
 # WeightSync throughput vs memcpy (bench/README.md); `make bench BENCH_ARGS=--quick` for the short run.
 bench:

@@ -59,8 +59,9 @@ def measure_overlap(repeats: int, log_dir: Path, calls: int | None = None) -> di
     model_dir = materialize_model(cfg.model, str(log_dir / "model"))
     engines = Engines(log_dir, 60.0)
     port = free_port()
-    engines.start("engine", [sys.executable, "-m", "dsv4rl.engine", "--model-path", model_dir, "--port", str(port),
-                             "--num-threads", "1", "--log-level", "warning", "--random-seed", "0"], port)  # fmt: skip
+    argv = [sys.executable, "-m", "dsv4rl.engine", "--model-path", model_dir, "--port", str(port),
+            "--num-threads", "1", "--log-level", "warning", "--random-seed", "0"]  # fmt: skip
+    engines.start("engine", argv, port)
     loop = asyncio.new_event_loop()
     rows = []
     try:
@@ -69,7 +70,8 @@ def measure_overlap(repeats: int, log_dir: Path, calls: int | None = None) -> di
         renderer = PromptRenderer(tokenizer, ChatSettings())
         rewards = RewardSet.from_config(cfg.reward, [ROOT])
         loop.run_until_complete(rewards.start())
-        driver = SimpleNamespace(clients=[EngineClient(urls["engine"])], tokenizer=tokenizer, renderer=renderer,
+        client = EngineClient(urls["engine"])
+        driver = SimpleNamespace(clients=[client], tokenizer=tokenizer, renderer=renderer,
                                  parser=None, rewards=rewards)  # fmt: skip
         stream = build_prompt_stream(cfg, renderer)
         algo = cfg.algo
@@ -153,28 +155,31 @@ def report(result: dict[str, Any]) -> None:
     o = result["overlap"]
     m = o["median"]
     print(
-        f"overlap: {m['samples']} samples, 50 ms each, {o['num_workers']} workers (medians of {len(o['rows'])})"
+        f"overlap: {m['samples']} samples, 50 ms each, {o['num_workers']} workers "
+        f"(medians of {len(o['rows'])})"
     )
     print(f"  generation alone            {m['generate_s']:7.2f} s")
     print(f"  serial reward               {m['serial_reward_s']:7.2f} s")
     print(f"  generation + serial reward  {m['generate_s'] + m['serial_reward_s']:7.2f} s")
     print(f"  floor without overlap       {o['no_overlap_floor_s']:7.2f} s  (generation + serial / workers)")
     print(f"  step, scored as groups land {m['step_s']:7.2f} s  = {o['step_vs_generate_plus_serial']:.2f} x "
-          f"(generation + serial); its generation {m['step_generate_s']:.2f} s, reward tail {m['reward_tail_s']:.2f} s")  # fmt: skip
+          f"(generation + serial); its generation {m['step_generate_s']:.2f} s, "
+          f"reward tail {m['reward_tail_s']:.2f} s")  # fmt: skip
     print(f"  overlap real in every repeat: {o['overlap_real']}")
     demo = result["demo"]
     if demo:
         for name in ("grader", "fns"):
             d = demo[name]
-            print(f"demo reward.{name:6} {d['steps']} steps: wall {d['wall_s']:7.1f} s, step {d['step_s_mean']:.3f} s, "
-                  f"rollout+reward {d['rollout_plus_reward_s_mean']:.3f} s, last-10 reward {d['last10_reward']:.3f}")  # fmt: skip
+            print(f"demo reward.{name:6} {d['steps']} steps: wall {d['wall_s']:7.1f} s, "
+                  f"step {d['step_s_mean']:.3f} s, rollout+reward {d['rollout_plus_reward_s_mean']:.3f} s, "
+                  f"last-10 reward {d['last10_reward']:.3f}")  # fmt: skip
         print(f"  fns / grader: wall x{demo['wall_ratio']:.3f}, step x{demo['step_ratio']:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     return bench_main(
         __doc__, DEFAULT_OUT, "one repeat and a 5-step demo", run, report, argv,
-        extra_args=[(("--steps",), {"type": int, "default": 0, "help": "demo steps (default 120; --quick 5)"}),
+        extra_args=[(("--steps",), {"type": int, "default": 0, "help": "demo steps (120; --quick: 5)"}),
                     (("--no-demo",), {"action": "store_true", "help": "only the overlap part"}),
                     (("--calls",), {"type": int, "default": None, "help": "/generate calls per engine"})],
     )  # fmt: skip
