@@ -58,6 +58,7 @@ class GenRequest:
     return_indexer_topk: bool = False
     captured: dict[str, list] = field(default_factory=dict)  # choices per forward (dsv4rl.engine.capture)
     internal: bool = False  # health checks: no rid bookkeeping in the seed counter
+    submission: int = 0  # the submit() call that queued it
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
@@ -139,6 +140,8 @@ class Generator:
         self._pause_mode: PauseMode | None = None
         self._writers = 0
         self._counter = 0
+        self._submissions = 0  # submit() calls: the requests of one share its number
+        self._split_calls = False  # a client sends concurrent calls: let them settle into one batch
         self._stop = False
         self.steps = 0  # forward passes run; health checks watch it move
         # Why no request may run now (the engine's memory is released), or None: submit refuses, queued
@@ -160,7 +163,9 @@ class Generator:
                 if request.rid in self._rids or request.rid in fresh:
                     raise ValueError(f"Duplicate request ID: the rid {request.rid!r} is already in flight.")
                 fresh.add(request.rid)
+            self._submissions += 1
             for request in requests:
+                request.submission = self._submissions
                 if not request.internal:
                     self._counter += 1
                 request._generator = torch.Generator().manual_seed(self._seed(request))
@@ -325,7 +330,13 @@ class Generator:
         """Whether to wait a moment before starting a batch (holding the lock's condition): requests that
         arrive together in several calls (a trainer that scores each group as it lands sends several) start
         as one batch, not one batch each, since a batch runs to its end before the next starts. The wait
-        lasts until no request came for `BATCH_SETTLE_S`, at most `BATCH_SETTLE_MAX_S` after the first."""
+        lasts until no request came for `BATCH_SETTLE_S`, at most `BATCH_SETTLE_MAX_S` after the first, and
+        only once a client has been seen sending a batch's worth of work in several calls: a client that
+        sends one call at a time never waits."""
+        if not self._split_calls:
+            self._split_calls = len({r.submission for r in self._waiting if not r.internal}) > 1
+            if not self._split_calls:
+                return False
         now = time.monotonic()
         newest = max(r.created for r in self._waiting)
         oldest = min(r.created for r in self._waiting)

@@ -65,6 +65,8 @@ class RewardSet:
         self.pool = pool
         self.max_error_fraction = max_error_fraction
         self._restarts_seen = 0
+        # Whether the last round's scoring was slow enough to overlap with generation (train/rewarding.py)
+        self.overlap = False
 
     @classmethod
     def from_config(cls, cfg: RewardConfig, base_dirs: Sequence[Path]) -> RewardSet:

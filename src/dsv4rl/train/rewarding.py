@@ -1,10 +1,10 @@
 """One generation round of a step with its reward: the engines generate, and each prompt's group is scored
 as soon as its samples are back (`RewardSet.score_group`), so scoring overlaps the generation of the rest.
 
-Only a reward that costs something to score (a function in the worker pool, an async function, a remote
-service, a judge, math-verify) splits an engine's share of the prompts into several /generate calls;
-with only the rule graders (the `reward.grader` short form) the engines get the one call each they always
-got, and the rewards are the graders' as before.
+Only a reward whose scoring took more than half the generation time in the last round (`OVERLAP_WHEN`)
+splits an engine's share of the prompts into several /generate calls, so that groups come back in waves
+and are scored while the rest generate; otherwise (the rule graders, a cheap function) the engines get
+the one call each they always got: the calls would cost more than the overlap hides.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from dsv4rl.rollout.types import Sample
 
 # /generate calls per engine when scoring overlaps generation: groups come back in this many waves
 OVERLAP_CALLS_PER_ENGINE = 8
+# Split the generation into those calls once the last round's scoring took longer than this share of its
+# generation: below it the calls cost more (HTTP, the engine's batching) than the overlap hides.
+OVERLAP_WHEN = 0.5
 
 
 def reward_inputs(
@@ -63,8 +66,9 @@ def reward_inputs(
 
 
 def calls_for(rewards: RewardSet) -> int:
-    """/generate calls per engine: one for rule graders alone, `OVERLAP_CALLS_PER_ENGINE` otherwise."""
-    return 1 if rewards.cheap else OVERLAP_CALLS_PER_ENGINE
+    """/generate calls per engine: `OVERLAP_CALLS_PER_ENGINE` once scoring is slow enough to be worth
+    hiding behind generation (`rewards.overlap`, set after each round), else one."""
+    return OVERLAP_CALLS_PER_ENGINE if rewards.overlap and not rewards.cheap else 1
 
 
 @dataclass
@@ -97,8 +101,10 @@ async def generate_and_score(
     chat = cfg.data.chat_format != ChatFormat.none
     tasks: dict[int, asyncio.Task] = {}
     parts: dict[int, list[ResponseParts] | None] = {}
+    first_back: list[float] = []
 
     def on_group(group: int, samples: list[Sample]) -> None:
+        first_back.append(time.monotonic())
         split = (
             [parser.parse(s.response_ids, s.response_text) for s in samples] if parser is not None else None
         )
@@ -132,6 +138,7 @@ async def generate_and_score(
     outcomes = [per_sample for group in scored for per_sample in group.outcomes]
     split_parts = [p for group in sorted(parts) for p in parts[group]] if parser is not None else None
     per_sample = [problems[s.group] for s in samples]
-    return Round(
-        samples, per_sample, split_parts, outcomes, generated - started, time.monotonic() - generated
-    )
+    done = time.monotonic()
+    scoring_span = done - min(first_back, default=done)
+    rewards.overlap = scoring_span > OVERLAP_WHEN * (generated - started)  # the next round's calls
+    return Round(samples, per_sample, split_parts, outcomes, generated - started, done - generated)
