@@ -58,7 +58,8 @@ class GenRequest:
     return_indexer_topk: bool = False
     captured: dict[str, list] = field(default_factory=dict)  # choices per forward (dsv4rl.engine.capture)
     internal: bool = False  # health checks: no rid bookkeeping in the seed counter
-    submission: int = 0  # the submit() call that queued it
+    submission: int = 0  # the submit() call that queued it, and how many requests it queued
+    submission_size: int = 1
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
@@ -165,7 +166,7 @@ class Generator:
                 fresh.add(request.rid)
             self._submissions += 1
             for request in requests:
-                request.submission = self._submissions
+                request.submission, request.submission_size = self._submissions, len(requests)
                 if not request.internal:
                     self._counter += 1
                 request._generator = torch.Generator().manual_seed(self._seed(request))
@@ -327,19 +328,22 @@ class Generator:
         self._cond.notify_all()
 
     def _settling(self) -> bool:
-        """Whether to wait a moment before starting a batch (holding the lock's condition): requests that
-        arrive together in several calls (a trainer that scores each group as it lands sends several) start
-        as one batch, not one batch each, since a batch runs to its end before the next starts. The wait
-        lasts until no request came for `BATCH_SETTLE_S`, at most `BATCH_SETTLE_MAX_S` after the first, and
-        only once a client has been seen sending a batch's worth of work in several calls: a client that
-        sends one call at a time never waits."""
+        """Whether to wait a moment before starting a batch (holding the lock's condition): batched calls
+        that arrive together (a trainer scoring each group as it lands sends a step's work as several)
+        start as one batch, not one batch each, since a batch runs to its end before the next starts. The
+        wait lasts until no such call came for `BATCH_SETTLE_S`, at most `BATCH_SETTLE_MAX_S` after the
+        first, and only once a client has been seen splitting its work so: a client that sends one call
+        at a time, or one sequence per call (a judge's chat requests), never waits."""
+        batched = [r for r in self._waiting if not r.internal and r.submission_size > 1]
+        if not batched:
+            return False
         if not self._split_calls:
-            self._split_calls = len({r.submission for r in self._waiting if not r.internal}) > 1
+            self._split_calls = len({r.submission for r in batched}) > 1
             if not self._split_calls:
                 return False
         now = time.monotonic()
-        newest = max(r.created for r in self._waiting)
-        oldest = min(r.created for r in self._waiting)
+        newest = max(r.created for r in batched)
+        oldest = min(r.created for r in batched)
         if now - newest >= BATCH_SETTLE_S or now - oldest >= BATCH_SETTLE_MAX_S:
             return False
         self._cond.wait(timeout=BATCH_SETTLE_S - (now - newest))
