@@ -75,7 +75,8 @@ def measure_overlap(repeats: int, log_dir: Path, calls: int | None = None) -> di
                                  parser=None, rewards=rewards)  # fmt: skip
         stream = build_prompt_stream(cfg, renderer)
         algo = cfg.algo
-        for repeat in range(repeats + 1):  # the first is a warm-up
+        for repeat in range(-1, repeats + 1):  # two warm-ups: the first scores after generating, the second
+            # splits (the engine learns to settle the calls into one batch)
             problems = stream.next_batch()
             started = time.perf_counter()
             samples = loop.run_until_complete(
@@ -93,9 +94,11 @@ def measure_overlap(repeats: int, log_dir: Path, calls: int | None = None) -> di
                 )
             serial_s = time.perf_counter() - started
             started = time.perf_counter()
-            round_ = loop.run_until_complete(generate_and_score(cfg, driver, problems, repeat, 0, 0, calls))
+            round_ = loop.run_until_complete(
+                generate_and_score(cfg, driver, problems, repeat + 1, 0, 0, calls)
+            )
             step_s = time.perf_counter() - started
-            if repeat:
+            if repeat > 0:
                 rows.append({"generate_s": generate_s, "serial_reward_s": serial_s, "step_s": step_s,
                              "step_generate_s": round_.generate_s, "reward_tail_s": round_.reward_tail_s,
                              "samples": len(samples)})  # fmt: skip
