@@ -57,8 +57,8 @@ test-sglang:
 	$(PY) -m pytest -q -m sglang
 
 lint:
-	$(PY) -m ruff check src tests bench
-	$(PY) -m ruff format --check src tests bench
+	$(PY) -m ruff check src tests bench examples
+	$(PY) -m ruff format --check src tests bench examples
 
 # WeightSync throughput vs memcpy (bench/README.md); `make bench BENCH_ARGS=--quick` for the short run.
 bench:

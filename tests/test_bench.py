@@ -101,3 +101,17 @@ def test_loop_overhead_bench_quick(tmp_path: Path) -> None:
     assert "algo.async_rollout=true" in result["dsv4rl_async"]["overrides"]
     assert ratios["async_step_vs_floor"] == pytest.approx(result["dsv4rl_async"]["step_s"] / floor["seconds"])
     assert "step_vs_floor" in proc.stdout and "async step" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_reward_overlap_bench_quick(tmp_path: Path) -> None:
+    """The overlap part only (the demo part is two training runs): a step with a 50 ms reward in 2 workers
+    takes less than generation plus the serial reward."""
+    out = tmp_path / "reward_overlap.json"
+    run_quick(BENCH.with_name("reward_overlap.py"), out, 150, "--no-demo")
+    result = json.loads(out.read_text())
+    overlap = result["overlap"]
+    assert overlap["median"]["samples"] == 64 and overlap["num_workers"] == 2
+    assert overlap["median"]["serial_reward_s"] >= 64 * 0.05
+    assert result["demo"] is None and result["meta"]["bench"] == "reward_overlap"

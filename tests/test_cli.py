@@ -349,3 +349,17 @@ def test_prompts_of_dapo_math_equal_deepseek_recipe_ids() -> None:
 def test_prompts_refuses_a_missing_data_file(tmp_path: Path) -> None:
     result = runner.invoke(app, ["prompts", "recipe=dapo_math", f"data.path={tmp_path / 'none.parquet'}"])
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_plan_shows_the_reward_and_its_judge() -> None:
+    """The judge is an engine the user starts (on GPUs of its own): `dsv4rl plan` lists it as external."""
+    result = runner.invoke(app, ["plan", "recipe=examples/judge.yaml", "--json"])
+    assert result.exit_code == 0, result.output
+    reward = json.loads(result.output)["reward"]
+    assert [f["name"] for f in reward["functions"]] == ["correct"]
+    assert (
+        reward["judge"]["model"] == "tiny_dsv4"
+        and "dsv4rl does not start it" in reward["judge"]["started_by"]
+    )
+    shown = runner.invoke(app, ["plan", "recipe=examples/judge.yaml"])
+    assert "0.1 x judge = judge tiny_dsv4 at http://127.0.0.1:30000" in shown.output

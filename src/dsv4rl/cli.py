@@ -26,7 +26,7 @@ from dsv4rl.config.compose import (
     list_recipes,
     to_yaml,
 )
-from dsv4rl.config.schema import AlignFeature, Config, EvalSet, Task
+from dsv4rl.config.schema import AlignFeature, Config, EvalSet, RolloutSort, Task
 
 app = typer.Typer(
     name="dsv4rl",
@@ -517,6 +517,38 @@ def report_command(
     except ReportError as exc:
         raise _fail(str(exc)) from None
     print_report(report, Console())
+
+
+@app.command("rollouts")
+def rollouts_command(
+    run_dir: Annotated[
+        str, typer.Argument(help="The run's directory (its run.dir), holding rollouts/.", show_default=False)
+    ],
+    step: Annotated[
+        int | None, typer.Option("--step", help="The step to show (default: the last saved).")
+    ] = None,
+    n: Annotated[int, typer.Option("--n", help="How many of the best and of the worst samples to show.")] = 3,
+    sort: Annotated[RolloutSort, typer.Option("--sort", help="Order by total reward or response length.")] = (
+        RolloutSort.reward
+    ),
+    as_json: Annotated[bool, typer.Option("--json", help="Every sample of the step, as JSON.")] = False,
+) -> None:
+    """Show what the model wrote at a step (saved with run.save_rollouts=N): the best and the worst samples,
+    their prompt and response, and each reward function's result."""
+    from dsv4rl.report.metrics_table import ReportError
+    from dsv4rl.report.rollouts import load_step, render_rollouts, select
+
+    if n < 0:
+        raise _fail(f"--n must be >= 0 (got {n})")
+    try:
+        chosen, records = load_step(run_dir, step)
+    except ReportError as exc:
+        raise _fail(str(exc)) from None
+    if as_json:
+        typer.echo(json.dumps({"step": chosen, "samples": records}, ensure_ascii=False))
+        return
+    top, bottom = select(records, n, sort)
+    render_rollouts(chosen, top, bottom, sort, Console(), len(records))
 
 
 def _split_optional_recipe(args: list[str]) -> tuple[str | None, list[str]]:

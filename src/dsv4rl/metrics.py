@@ -45,6 +45,12 @@ class StepTimer:
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Count `seconds` of phase `source` as `target`'s (work that overlapped: its tail is `target`'s)."""
+        seconds = min(seconds, self.seconds.get(source, 0.0))
+        self.seconds[source] = self.seconds.get(source, 0.0) - seconds
+        self.seconds[target] = self.seconds.get(target, 0.0) + seconds
+
     def as_metrics(self) -> dict[str, float]:
         metrics = {f"time_{name}_s": self.seconds.get(name, 0.0) for name in TIME_PHASES}
         for name, seconds in self.seconds.items():

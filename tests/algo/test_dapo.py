@@ -42,3 +42,10 @@ def test_mismatch_metrics():
     assert m["train_rollout_logprob_abs_diff_max"] == pytest.approx(0.5)
     assert m["train_rollout_kl"] == pytest.approx((math.exp(0.5) - 0.5 - 1) / 2)
     assert mismatch_metrics(train, rollout, torch.zeros(1, 3))["train_rollout_kl"] == 0.0
+
+
+def test_informative_groups_count_scored_samples_only() -> None:
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 2.0, 0.0])
+    scored = torch.tensor([True, False, True, True, True, False])
+    assert keep_informative_groups(rewards, 3, scored).tolist() == [False, True]
+    assert keep_informative_groups(rewards, 3).tolist() == [True, True]

@@ -178,3 +178,17 @@ def test_kl_estimators():
     assert torch.isfinite(extreme).all() and extreme.item() == 10.0
     with pytest.raises(ValueError, match="k4"):
         kl_penalty(logp, ref, "k4")
+
+
+def test_advantages_of_scored_samples_only() -> None:
+    """A sample no reward function scored has advantage 0, and the group's mean and std leave it out."""
+    rewards = torch.tensor([1.0, 0.0, 5.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    scored = torch.tensor([True, True, False, True, True, True, True, True])
+    out = group_advantages(rewards, 4, scored=scored)
+    first = group_advantages(torch.tensor([1.0, 0.0, 1.0]), 3)
+    assert torch.allclose(out[[0, 1, 3]], first) and out[2] == 0.0
+    assert torch.equal(out[4:], group_advantages(rewards[4:], 4))
+    everything = torch.ones(8, dtype=torch.bool)
+    assert torch.equal(group_advantages(rewards, 4, scored=everything), group_advantages(rewards, 4))
+    lone = group_advantages(torch.tensor([3.0, 0.0]), 2, scored=torch.tensor([True, False]))
+    assert lone.tolist() == [0.0, 0.0]

@@ -32,23 +32,31 @@ def enum_fields(cls: type = schema.Config, prefix: str = "") -> list[tuple[str, 
     return out
 
 
+def list_entry_cases() -> list[str]:
+    """The enum keys of list entries (`reward.fns[].on_error`): one entry of the list per value."""
+    entry = "{{name: f, target: 'builtin:arith', on_error: {value}}}"
+    return [f"reward.fns=[{entry.format(value=value.value)}]" for value in schema.RewardOnError]
+
+
 def all_cases() -> list[str]:
     """One override per case: `group=option`, or `key=value` for every value of every enum key."""
     cases = [f"{group}={option}" for group, options in sorted(list_groups().items()) for option in options]
     cases += [f"{key}={value.value}" for key, kind in enum_fields() for value in kind]
-    return cases
+    return cases + list_entry_cases()
 
 
 def build(cfg: schema.Config, root: Path, models: dict) -> None:
     """What a run builds from the recipe before its first step, in this process (a world of 1)."""
     import torch
 
+    from dsv4rl.config.compose import reward_base_dirs
     from dsv4rl.data.stream import build_prompt_stream
     from dsv4rl.eval.data import eval_problems
     from dsv4rl.launcher.plan import build_local_plan
     from dsv4rl.model.model_dir import materialize_model
     from dsv4rl.model.tiny import checkpoint_wire_format
     from dsv4rl.reward.graders import get_grader
+    from dsv4rl.reward.rewarder import RewardSet
     from dsv4rl.topology import weight_sync_sources
     from dsv4rl.train.backend import build_backend
 
@@ -57,6 +65,7 @@ def build(cfg: schema.Config, root: Path, models: dict) -> None:
         models[key] = materialize_model(cfg.model, str(root / f"model-{len(models)}"), cfg.quant)
     checkpoint_wire_format(cfg.quant)
     get_grader(cfg.reward.grader, reward=cfg.reward)
+    RewardSet.from_config(cfg.reward, reward_base_dirs(cfg)).close()  # reward.fns, remote, judge
     build_prompt_stream(cfg).next_batch()
     if cfg.eval is not None:
         eval_problems(cfg)

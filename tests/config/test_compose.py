@@ -314,3 +314,32 @@ def test_load_config_file_rejects_unknown_keys(tmp_path: Path) -> None:
         load_config_file(path)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config_file(tmp_path / "missing.yaml")
+
+
+def test_a_recipe_file_extends_a_recipe_and_names_its_own_directory(tmp_path) -> None:
+    """`recipe=path/to/recipe.yaml`: the groups and base recipes come from the recipes directory,
+    `${recipe_dir:}` is the file's own directory (examples name their data and reward files with it)."""
+    from dsv4rl.config.compose import recipe_dir, reward_base_dirs
+
+    recipe = tmp_path / "task.yaml"
+    recipe.write_text(
+        "# my task\ndefaults:\n  - dsv4rl_schema\n  - tiny_arith\n  - _self_\n"
+        "data:\n  path: ${recipe_dir:}/rows.jsonl\n  name: rows\n"
+        "reward:\n  fns:\n    - {name: ok, target: 'reward.py:score', kwargs: {nested: {a: [1, 2]}}}\n"
+    )
+    cfg = compose(str(recipe), ["algo.group_size=4"])
+    assert cfg.recipe == str(recipe) and cfg.data.path == str(tmp_path / "rows.jsonl")
+    assert cfg.algo.group_size == 4 and cfg.algo.prompts_per_step == 32  # from tiny_arith
+    assert cfg.reward.fns[0].kwargs == {"nested": {"a": [1, 2]}}
+    assert recipe_dir(cfg) == tmp_path and reward_base_dirs(cfg)[0] == tmp_path
+    with pytest.raises(ConfigError, match="recipe file 'nope/task.yaml' does not exist"):
+        compose("nope/task.yaml")
+
+
+def test_a_list_entrys_bad_key_is_named_with_its_list() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'reward.fns\[\].targt'; did you mean 'target'\?"):
+        compose("tiny_arith", ["reward.fns=[{name: ok, targt: x}]"])
+    with pytest.raises(
+        ConfigError, match=r"reward.fns\[\].on_error: expected one of fail, zero, exclude, got 'skip'"
+    ):
+        compose("tiny_arith", ["reward.fns=[{name: ok, on_error: skip}]"])

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from dataset_files import DATA, needs_data
-from dsv4rl.config.schema import DataConfig
+from dsv4rl.config.schema import ArithDataConfig, DataConfig
 from dsv4rl.data import (
     ArithProblems,
     DatasetError,
@@ -138,3 +138,18 @@ def test_generic_loader_and_problem_source(tmp_path):
     assert isinstance(problem_source(DataConfig()), ArithProblems)
     with pytest.raises(ValueError, match="data.path is required"):
         problem_source(DataConfig(name="dapo_math"))
+
+
+def test_every_other_column_reaches_the_problem(tmp_path):
+    """Columns besides the prompt and the answer are kept, nested ones whole (reward functions read them)."""
+    rows = tmp_path / "code.jsonl"
+    row = {"prompt": "add", "reward_model": {"ground_truth": "3", "style": "rule"}, "tests": ["assert f(1)"],
+           "entry_point": "f", "extra": {"a": [1, {"b": 2}]}}  # fmt: skip
+    rows.write_text(json.dumps(row) + "\n")
+    (problem,) = load_file_problems(rows, prompt_key="prompt", answer_key="reward_model.ground_truth")
+    expected = {"reward_model": {"style": "rule"}, "tests": ["assert f(1)"], "entry_point": "f",
+                "extra": {"a": [1, {"b": 2}]}}  # fmt: skip
+    assert problem.metadata == expected
+    assert problem == load_file_problems(rows, prompt_key="prompt", answer_key="reward_model.ground_truth")[0]
+    arith = ArithProblems(ArithDataConfig(max_operand=1), 0)
+    assert arith[1].metadata == {"a": 0, "op": "+", "b": 1}

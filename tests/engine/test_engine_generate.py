@@ -287,3 +287,44 @@ def test_done_is_made_on_first_use_and_set_however_late_it_is_asked_for():
     waiter.join(10)
     assert woke.is_set() and early.done is waiting
     assert late.done.is_set()  # made after the end: born set
+
+
+def test_calls_sent_together_by_a_splitting_client_run_as_one_batch(client):
+    """A client that sends a step's work in several concurrent calls (a trainer scoring each group as it
+    lands) gets them started as one batch, once seen splitting; a one-call client never waits."""
+    import threading
+
+    from dsv4rl.engine.generator import GenRequest
+    from dsv4rl.engine.sampling import SamplingParams
+
+    generator = client.app.state.engine.generator
+    batches: list[int] = []
+    take = generator._take_batch
+
+    def recording() -> list:
+        batch = take()
+        batches.append(len(batch))
+        return batch
+
+    generator._take_batch = recording
+    try:
+
+        def submit_calls(calls: int) -> None:
+            requests = []
+            for _ in range(calls):
+                call = [GenRequest([1, 5, 6], SamplingParams(max_new_tokens=2)) for _ in range(4)]
+                requests += call
+                generator.submit(call)
+                threading.Event().wait(0.002)  # calls land a few milliseconds apart, as over HTTP
+            for request in requests:
+                assert request.done.wait(30)
+
+        submit_calls(1)
+        assert batches == [4] and not generator._split_calls
+        submit_calls(4)  # the first split step may start before all calls landed
+        assert generator._split_calls and sum(batches[1:]) == 16
+        batches.clear()
+        submit_calls(4)
+        assert batches == [16]
+    finally:
+        generator._take_batch = take

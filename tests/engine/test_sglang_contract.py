@@ -366,3 +366,35 @@ def test_extractor_reads_routes_bodies_keys_and_flags_from_a_wheel(tmp_path: Pat
     assert flag_problems(contract, ["--port", "x"]) == ["--port x: SGLang parses it as int"]
     assert flags["--mode"]["choices"] == ["a", "b"]  # a list of srt/arg_groups/choices.py
     assert flag_problems(contract, ["--mode", "c"]) == ["--mode c: SGLang accepts ['a', 'b']"]
+
+
+# ------------------------------------------------------------------------------------------- chat completions
+def judge_request_problems(contract: dict) -> list[str]:
+    """The judge's /v1/chat/completions body (reward.judge) against SGLang's ChatCompletionRequest."""
+    from dsv4rl.config.schema import RewardJudgeConfig, RewardOnError
+    from dsv4rl.reward.judge import CHAT_ROUTE, JudgeScorer
+    from dsv4rl.reward.scorers import FnSpec
+
+    judge = JudgeScorer(
+        FnSpec("judge", "j", 1.0, RewardOnError.zero, 1.0), RewardJudgeConfig(base_url="http://j"), []
+    )
+    return request_problems(contract, "POST", CHAT_ROUTE, judge.request_body("Rate: 7"))
+
+
+def test_the_judge_and_the_reference_chat_route_use_sglang_fields() -> None:
+    from dsv4rl.engine.chat_routes import CHAT_FIELDS
+
+    fields = CONTRACT["chat_completion_request"]
+    assert fields["messages"]["required"] and "max_completion_tokens" in fields
+    assert judge_request_problems(CONTRACT) == []
+    assert sorted(set(CHAT_FIELDS) - set(fields)) == []
+    assert CONTRACT["routes"]["/v1/chat/completions"]["methods"] == ["POST"]
+
+
+def test_a_renamed_chat_field_fails_the_judge_check() -> None:
+    problems = judge_request_problems(
+        renamed(["chat_completion_request", "max_completion_tokens"], "max_new")
+    )
+    assert problems == [
+        "POST /v1/chat/completions: field 'max_completion_tokens' is not in the body (dropped)"
+    ]

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from dsv4rl.checks.validate import validate
 from dsv4rl.config.compose import ConfigError, compose
-from dsv4rl.config.schema import EvalConfig, RewardConfig
+from dsv4rl.config.schema import EvalConfig, RewardConfig, RewardOnError
 from dsv4rl.data.problems import Problem
 from dsv4rl.eval.periodic import eval_metrics
 from dsv4rl.eval.run import eval_grader, evaluate_responses
@@ -29,9 +29,12 @@ from dsv4rl.reward.graders import (
     get_grader,
     grade_responses,
 )
+from dsv4rl.reward.results import RewardError
+from dsv4rl.reward.rewarder import RewardSet
+from dsv4rl.reward.scorers import BuiltinScorer, FnSpec
 from dsv4rl.reward.verify_pool import verify_answer
 from dsv4rl.rollout.types import Sample
-from dsv4rl.train import loop as loop_module
+from dsv4rl.train import rewarding
 from dsv4rl.train.loop import RLLoop
 
 BOUND_S = 6.0  # the issue's acceptance: a 100 k-character response graded (or timed out) in under 6 s
@@ -205,15 +208,16 @@ def test_math_verify_reads_the_tail_of_a_response() -> None:
 
 def _loop_with(texts: list[str], answer: str = "7") -> RLLoop:
     """An RLLoop with only what collect_batch reads: one group of `texts`, which the fake engines
-    (`driver.clients`, handed to the patched generate_samples) return."""
-    cfg = compose("tiny_arith", [f"algo.group_size={len(texts)}"])
+    (`driver.clients`, handed to the patched generate_samples) return, scored by a grader that raises."""
+    cfg = compose("tiny_arith", [f"algo.group_size={len(texts)}", "run.save_rollouts=0"])
     cfg.algo.dynamic_sampling.enabled = False
     loop = RLLoop.__new__(RLLoop)
     loop.cfg = cfg
     loop.backend = SimpleNamespace(data_parallel_size=1)
+    spec = FnSpec("raising", "builtin:raising", 1.0, RewardOnError.zero, 5.0)
     loop.driver = SimpleNamespace(
         stream=SimpleNamespace(next_batch=lambda: [Problem("1+6=", answer, "a")]),
-        grader=RaisingRule(),
+        rewards=RewardSet([BuiltinScorer(spec, RaisingRule())], None, cfg.reward.max_error_fraction),
         tokenizer=SimpleNamespace(pad_token_id=0),
         clients=[Sample(0, [1, 2], [3], [-0.5], text, "stop", answer=answer) for text in texts],
         event_loop=asyncio.new_event_loop(),
@@ -223,19 +227,22 @@ def _loop_with(texts: list[str], answer: str = "7") -> RLLoop:
     return loop
 
 
-async def _samples_from_clients(clients, *args, **kwargs) -> list[Sample]:
-    return list(clients)
+async def _samples_from_clients(clients, *args, on_group=None, **kwargs) -> list[Sample]:
+    samples = list(clients)
+    on_group(0, samples)
+    return samples
 
 
 def test_the_training_step_records_grader_counts_and_stops_on_too_many_errors(monkeypatch) -> None:
-    monkeypatch.setattr(loop_module, "generate_samples", _samples_from_clients)
+    monkeypatch.setattr(rewarding, "generate_samples", _samples_from_clients)
     fine, broken = _loop_with(["7", "bad", "7", "8"]), _loop_with(["bad", "bad", "7", "8"])
     try:
-        fine.cfg.reward.max_error_fraction = 0.5
+        fine.driver.rewards.max_error_fraction = 0.5
         _, metrics = fine.collect_batch(1, StepTimer(), background=True)
         assert metrics["grader_errors"] == 1 and metrics["grader_timeouts"] == 0
+        assert metrics["reward/raising/errors"] == 1 and metrics["reward/raising/score"] == pytest.approx(0.5)
         assert metrics["grader_restarts"] == 0 and metrics["reward_mean"] == pytest.approx(0.5)
-        with pytest.raises(GraderError, match="2 of 4 calls raised"):
+        with pytest.raises(RewardError, match=r"2 of 4 calls this step failed \(50%"):
             broken.collect_batch(1, StepTimer(), background=True)
     finally:
         for loop in (fine, broken):

@@ -94,3 +94,12 @@ def test_micro_batches_trim_and_to():
     assert torch.equal(t.input_ids, short.input_ids) and torch.equal(t.loss_mask, short.loss_mask)
     moved = b.to("cpu")
     assert moved.old_logprobs is None and moved.input_ids.device.type == "cpu"
+
+
+def test_an_excluded_sample_carries_no_loss():
+    """A sample no reward function scored stays in the batch (whole groups) with its loss masked out."""
+    kept = Sample(0, [1, 2], [3, 4], [-0.1, -0.2], "", "stop")
+    excluded = Sample(0, [1, 2], [5], [-0.3], "", "stop", excluded=True)
+    batch = TrainBatch.from_samples([kept, excluded], pad_id=0)
+    assert batch.loss_mask.tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    assert batch.num_tokens == 2

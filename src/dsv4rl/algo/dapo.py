@@ -27,10 +27,16 @@ def overlong_penalty(
     return -float(penalty) * frac
 
 
-def keep_informative_groups(rewards: Tensor, group_size: int) -> Tensor:
+def keep_informative_groups(rewards: Tensor, group_size: int, scored: Tensor | None = None) -> Tensor:
     """Bool[num_groups]: True where a group's rewards are not all equal (dynamic sampling keeps those;
-    an all-equal group has zero advantage everywhere and contributes no gradient)."""
+    an all-equal group has zero advantage everywhere and contributes no gradient). `scored` (bool, per
+    sample): only those rewards count (a sample no reward function scored has none)."""
     if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
     grouped = rewards.view(-1, group_size)
-    return grouped.amax(dim=1) != grouped.amin(dim=1)
+    if scored is None or bool(scored.all()):
+        return grouped.amax(dim=1) != grouped.amin(dim=1)
+    mask = scored.view(-1, group_size)
+    high = torch.where(mask, grouped, torch.full_like(grouped, -torch.inf)).amax(dim=1)
+    low = torch.where(mask, grouped, torch.full_like(grouped, torch.inf)).amin(dim=1)
+    return (mask.sum(dim=1) > 1) & (high != low)

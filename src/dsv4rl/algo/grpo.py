@@ -39,21 +39,45 @@ def kl_estimator(estimator: KLEstimator | str) -> KLEstimator:
 
 
 def group_advantages(
-    rewards: Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+    rewards: Tensor,
+    group_size: int,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    scored: Tensor | None = None,
 ) -> Tensor:
     """A_i = (r_i - mean_g) / (std_g + eps) over contiguous groups of `group_size` responses.
 
     std is the unbiased sample std (torch.std, Bessel-corrected), as the GRPO reference implementations
     use; a group of one has std 0 (its advantage is 0). `normalize_std=False` is Dr.GRPO: A_i = r_i - mean_g.
+    `scored` (bool per response): only those have a reward; a group's mean and std are over them, and the
+    others get advantage 0 (their loss is masked out too).
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [num_groups * group_size], got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if scored is not None and not bool(scored.all()):
+        return _scored_group_advantages(rewards, scored, group_size, normalize_std, eps)
     grouped = rewards.detach().float().view(-1, group_size)
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std:
         std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(grouped[:, :1])
+        centered = centered / (std + eps)
+    return centered.reshape(-1)
+
+
+def _scored_group_advantages(
+    rewards: Tensor, scored: Tensor, group_size: int, normalize_std: bool, eps: float
+) -> Tensor:
+    """`group_advantages` over the scored responses of each group only (0 for the others)."""
+    grouped = rewards.detach().float().view(-1, group_size)
+    mask = scored.view(-1, group_size).float()
+    count = mask.sum(dim=1, keepdim=True)
+    mean = (grouped * mask).sum(dim=1, keepdim=True) / count.clamp(min=1.0)
+    centered = (grouped - mean) * mask
+    if normalize_std:
+        var = centered.square().sum(dim=1, keepdim=True) / (count - 1.0).clamp(min=1.0)
+        std = torch.where(count > 1, var.sqrt(), torch.zeros_like(var))
         centered = centered / (std + eps)
     return centered.reshape(-1)
 

@@ -22,6 +22,7 @@ from dsv4rl.checks.parallel import check_comm, check_nodes_and_rollout, check_po
 from dsv4rl.checks.problems import Add
 from dsv4rl.checks.quant import check_checkpoint_format, check_quant
 from dsv4rl.checks.replay import check_replay
+from dsv4rl.checks.reward import check_reward, check_reward_targets
 from dsv4rl.checks.run import (
     GRADERS,
     LAYER_TYPES,
@@ -57,6 +58,7 @@ _CHECKS: list[Callable[[Config, Add], None]] = [
     check_optim,
     check_model,
     check_data_reward_eval,
+    check_reward,
     check_run,
     check_quant,
     check_families,
@@ -83,6 +85,7 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
         check_checkpoint_format(cfg, problems.append)
         machine.check_model_layout(cfg, problems.append)
         machine.check_transformer_engine(cfg, problems.append)
+        check_reward_targets(cfg, problems.append)  # imports the user's reward modules
     if len(problems) == 1:
         raise ConfigError(f"recipe {cfg.recipe!r}: {problems[0]}", problems)
     if problems:

@@ -120,20 +120,31 @@ def compose(recipe: str, overrides: list[str] | None = None, recipes_dir: Path |
 
     overrides = list(overrides or [])
     root = find_recipes_dir() if recipes_dir is None else Path(recipes_dir).resolve()
-    recipes = list_recipes(root)
-    if recipe not in recipes:
-        raise ConfigError(f"unknown recipe {recipe!r}; available recipes: {', '.join(recipes) or '(none)'}")
-    _check_schema_listed(root / f"{recipe}.yaml")
+    recipe_file = recipe_path(recipe)
+    if recipe_file is None:
+        recipes = list_recipes(root)
+        if recipe not in recipes:
+            raise ConfigError(
+                f"unknown recipe {recipe!r}; available recipes: {', '.join(recipes) or '(none)'} "
+                "(or a recipe file: recipe=path/to/recipe.yaml)"
+            )
+        recipe_file = root / f"{recipe}.yaml"
+    else:
+        recipe = str(recipe_file)
+    _check_schema_listed(recipe_file)
     groups = list_groups(root)
     _check_overrides(overrides, groups)
     overrides = [_resume_as_choice(text) for text in overrides]
+    if recipe_file.parent != root:  # a recipe of its own: the groups and base recipes come from `root`
+        overrides = [f"hydra.searchpath=[file://{root}]", *overrides]
 
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
+    _RECIPE_DIR[0] = str(recipe_file.parent)
     try:
-        with initialize_config_dir(config_dir=str(root), version_base=None, job_name="dsv4rl"):
-            composed = hydra_compose(config_name=recipe, overrides=overrides)
+        with initialize_config_dir(config_dir=str(recipe_file.parent), version_base=None, job_name="dsv4rl"):
+            composed = hydra_compose(config_name=recipe_file.stem, overrides=overrides)
     except Exception as exc:  # Hydra and OmegaConf errors -> one readable message
         raise ConfigError(_explain(exc, recipe, groups)) from None
 
@@ -146,6 +157,44 @@ def compose(recipe: str, overrides: list[str] | None = None, recipes_dir: Path |
         return OmegaConf.to_object(merged)  # type: ignore[return-value]  # resolves interpolations
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc, recipe, groups, from_hydra=False)) from None
+
+
+# `${recipe_dir:}` in a recipe: the directory of the recipe file being composed (an example recipe names its
+# data and reward files next to it). Set by `compose` before Hydra reads the file.
+_RECIPE_DIR = [""]
+OmegaConf.register_new_resolver("recipe_dir", lambda: _RECIPE_DIR[0], replace=True)
+
+
+def recipe_path(recipe: str) -> Path | None:
+    """The recipe file `recipe=` names when it is a path (`examples/judge.yaml`), absolute; None for a
+    recipe name. A path that does not exist is refused here."""
+    if not recipe.endswith((".yaml", ".yml")):
+        return None
+    path = Path(recipe).expanduser()
+    if not path.is_file():
+        raise ConfigError(
+            f"recipe file {recipe!r} does not exist (from {Path.cwd()}); pass recipe=NAME for a recipe of "
+            "the recipes directory or the path of a .yaml recipe file"
+        )
+    return path.resolve()
+
+
+def reward_base_dirs(cfg: Config) -> list[Path]:
+    """Where a relative `path/to/file.py:function` target is looked for: the recipe's directory, then the
+    working directory."""
+    return [recipe_dir(cfg), Path.cwd()]
+
+
+def recipe_dir(cfg: Config) -> Path:
+    """The directory a recipe's relative reward targets are resolved from: the recipe file's own, or the
+    recipes directory for a recipe given by name."""
+    path = Path(cfg.recipe)
+    if cfg.recipe.endswith((".yaml", ".yml")) and path.is_absolute():
+        return path.parent
+    try:
+        return find_recipes_dir()
+    except ConfigError:
+        return Path.cwd()
 
 
 def load_config_file(path: str | Path) -> Config:
@@ -254,6 +303,9 @@ def _explain(exc: BaseException, recipe: str, groups: dict[str, list[str]], from
     if cause is None:
         return f"recipe {recipe!r}: {first_line}"
     full_key = str(cause.full_key)
+    in_list = _list_entry_key(cause)
+    if in_list is not None:  # OmegaConf names a list entry's keys without the list's path
+        return _list_entry_message(in_list, cause, full_key)
     # Hydra names the file it was merging ("Error merging 'algo/grpo'"); overrides speak for themselves.
     where = ""
     if from_hydra and "override" not in first_line:
@@ -272,6 +324,41 @@ def _explain(exc: BaseException, recipe: str, groups: dict[str, list[str]], from
         got = f", got {value.group(1)!r}" if value else ""
         return f"{full_key}: expected {expected}{got}{where}"
     return f"{full_key}: {str(cause).splitlines()[0]}{where}"
+
+
+def _list_entry_key(cause: OmegaConfBaseException) -> str | None:
+    """The list key (`reward.fns`) whose entries have the dataclass `cause` names, when it is a list entry."""
+    kind = getattr(cause, "object_type", None)
+    if kind is None or not is_dataclass(kind) or "." in str(cause.full_key):
+        return None
+    found = _lists_of(Config, "", kind)
+    return found[0] if found else None
+
+
+def _lists_of(node: Any, prefix: str, kind: type) -> list[str]:
+    out = []
+    for name, hint in typing.get_type_hints(node).items():
+        hint = _strip_optional(hint)
+        if typing.get_origin(hint) is list and typing.get_args(hint)[0] is kind:
+            out.append(prefix + name)
+        elif is_dataclass(hint):
+            out += _lists_of(hint, f"{prefix}{name}.", kind)
+    return out
+
+
+def _list_entry_message(list_key: str, cause: OmegaConfBaseException, leaf: str) -> str:
+    kind = cause.object_type
+    valid = [f.name for f in fields(kind)]
+    where = f"{list_key}[].{leaf}"
+    if isinstance(cause, ConfigAttributeError | ConfigKeyError):
+        close = difflib.get_close_matches(leaf, valid, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ";"
+        return f"unknown key {where!r}{hint} valid keys of a {list_key} entry: {', '.join(valid)}"
+    expected = describe_type(typing.get_type_hints(kind).get(leaf))
+    msg = str(getattr(cause, "msg", cause))
+    value = re.search(r"[Vv]alue '(.*?)'", msg)
+    got = f", got {value.group(1)!r}" if value else ""
+    return f"{where}: expected {expected}{got}"
 
 
 def _unknown_key_message(full_key: str) -> str:

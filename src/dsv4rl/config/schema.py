@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 
 class Choice(StrEnum):
@@ -235,6 +235,21 @@ class GraderName(Choice):
     answer_line = "answer_line"
     boxed = "boxed"
     math_verify = "math_verify"
+
+
+class RewardOnError(Choice):
+    """What a reward function's call that raised, timed out or returned something unusable is worth."""
+
+    fail = "fail"  # stop the run, naming the function, the sample and where it raised
+    zero = "zero"  # a score of 0 (a builtin grader: its `incorrect` value), counted in the metrics
+    exclude = "exclude"  # no score from this function for that sample, as if it returned None
+
+
+class RolloutSort(Choice):
+    """`dsv4rl rollouts --sort`: the order the samples of a step are shown in."""
+
+    reward = "reward"  # the total reward (best first; the worst are shown too)
+    length = "length"  # the response's length in tokens (longest first)
 
 
 class ChatFormat(Choice):
@@ -554,14 +569,79 @@ class DataConfig:
 
 
 @dataclass
+class RewardFnConfig:
+    """One reward function of `reward.fns` (docs/tasks.md): the reward is the weighted sum of their scores."""
+
+    name: str = ""  # metrics.jsonl: reward/<name>/score and reward/<name>/<key> of a dict result
+    # builtin:<grader> | pkg.module:function | path/to/file.py:function (relative to the recipe's
+    # directory, else to the working directory)
+    target: str = ""
+    weight: float = 1.0  # 0: a logged metric only
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to every call (builtin: grader options)
+    timeout_s: float | None = None  # per call; null: reward.timeout_s
+    on_error: RewardOnError = RewardOnError.zero
+    group: bool = False  # the function takes the G samples of one prompt and returns G results
+
+
+@dataclass
+class RemoteRewardConfig:
+    """A reward service: POSTs batches of samples as JSON (docs/reward_contract.md), one result each."""
+
+    url: str = ""  # empty: no remote reward
+    name: str = "remote"
+    weight: float = 1.0
+    batch_size: int = 16  # samples per POST (a group's samples, split)
+    timeout_s: float = 60.0  # per POST
+    retries: int = 3  # after the first attempt: on connection errors, timeouts and 5xx (never on 4xx)
+    max_concurrency: int = 8  # POSTs in flight
+    headers: dict[str, str] = field(default_factory=dict)
+    on_error: RewardOnError = RewardOnError.zero
+
+
+@dataclass
+class RewardJudgeConfig:
+    """A judge model behind an OpenAI-compatible /v1/chat/completions (an SGLang engine the user starts)."""
+
+    base_url: str = ""  # empty: no judge; e.g. http://judge-host:30000 (/v1/chat/completions is appended)
+    model: str = "default"  # the served model name
+    # Filled with the sample's fields: {prompt} {response} {answer} {reasoning} {ground_truth}, {metadata[x]}
+    prompt_template: str = (
+        "Rate the response to the task from 0 to 10. Reply with the number only.\n\n"
+        "Task: {prompt}\n\nReference answer: {ground_truth}\n\nResponse: {answer}"
+    )
+    # number: the reply's first number | a regex whose first group (else whole match) is the score |
+    # pkg.module:function or file.py:function taking the reply's text and returning a float or None
+    parse: str = "number"
+    scale: float = 1.0  # the parsed number is multiplied by this (0-10 ratings: 0.1)
+    name: str = "judge"
+    weight: float = 1.0
+    max_concurrency: int = 8  # requests in flight
+    rpm: int = 0  # requests per minute (0: no limit)
+    tpm: int = 0  # tokens per minute, prompt and completion (0: no limit)
+    retries: int = 3  # on connection errors, timeouts, 429 and 5xx
+    timeout_s: float = 60.0
+    max_tokens: int = 64
+    temperature: float = 0.0
+    api_key_env: str | None = None  # the environment variable holding the bearer token (never the key)
+    on_error: RewardOnError = RewardOnError.zero
+
+
+@dataclass
 class RewardConfig:
+    # The short form: one builtin grader with weight 1, used when fns, remote and judge are all unset.
     grader: GraderName = GraderName.arith
-    timeout_s: float = 5.0  # per grader call in a worker pool (math_verify; every grader in eval)
+    # Default per call: grader pools (math_verify; every grader in eval) and reward.fns without their own
+    timeout_s: float = 5.0
     correct: float = 1.0
     incorrect: float = 0.0
-    num_workers: int = 1  # grader worker processes (math_verify; every grader in eval)
-    # A batch where more than this fraction of grader calls raised stops the run (never train on zeros)
+    # Worker processes for math_verify, every grader in eval, and reward.fns' sync functions
+    num_workers: int = 1
+    # A batch where more than this fraction of a function's calls raised stops the run (never train on zeros)
     max_error_fraction: float = 0.05
+    fns: list[RewardFnConfig] = field(default_factory=list)  # your own reward functions (docs/tasks.md)
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)  # a reward service over HTTP
+    judge: RewardJudgeConfig = field(default_factory=RewardJudgeConfig)  # a judge model (chat completions)
+    async_concurrency: int = 64  # calls of `async def` reward functions in flight at once
 
 
 @dataclass
@@ -767,6 +847,9 @@ class RunConfig:
     # SIGTERM/SIGUSR1 to `dsv4rl train` (or a trainer rank): the trainer ends its step, checkpoints and
     # exits; if it has not within this many seconds, every process is stopped at once (docs/faults.md).
     stop_grace_s: float = 600.0
+    # Every N steps, each sample of the step to <run.dir>/rollouts/step_<N>.jsonl (prompt, response, ids,
+    # log-probs, each reward function's result, advantage): `dsv4rl rollouts RUN_DIR` shows them. 0: off.
+    save_rollouts: int = 0
 
 
 @dataclass

@@ -43,7 +43,8 @@ def enumerate_arith(cfg: ArithDataConfig) -> list[Problem]:
                 value = _APPLY[op](a, b)
                 if 0 <= value <= cfg.max_answer:
                     expr = f"{a}{op}{b}"
-                    problems.append(Problem(prompt=f"{expr}=", answer=str(value), id=expr))
+                    columns = {"a": a, "op": op, "b": b}
+                    problems.append(Problem(prompt=f"{expr}=", answer=str(value), id=expr, metadata=columns))
     if not problems:
         raise ValueError(
             f"no arithmetic problem fits data.arith (max_operand={cfg.max_operand}, ops={ops}, "

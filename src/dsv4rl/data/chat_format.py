@@ -154,12 +154,12 @@ class PromptRenderer:
             encoding = recipe.DeepseekV4Encoding().with_special_tokens(special)
             self._encoding = encoding.with_tokenizer(self.recipe_tokenizer)
 
-    def _conversation(self, prompt: str) -> Any:
+    def _conversation(self, prompt: str | list[dict[str, Any]]) -> Any:
         """As SGLang's DeepSeekRecipe.encode builds it: the request body through recipe's Chat
-        Completions adapter."""
+        Completions adapter (a problem's text is one user turn)."""
         body: dict[str, Any] = {
             "model": RECIPE_MODEL,
-            "messages": user_messages(prompt),
+            "messages": user_messages(prompt) if isinstance(prompt, str) else prompt,
             "thinking": {"type": "enabled" if self.settings.thinking else "disabled"},
         }
         if self.settings.reasoning_effort is not None:
@@ -175,6 +175,15 @@ class PromptRenderer:
             bos = self.tokenizer.bos_token or ""
             return prompt if prompt.startswith(bos) else bos + prompt
         return self._encoding.render_conversation(self._conversation(prompt)).prompt
+
+    def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+        """A whole chat (system, user and assistant turns, as /v1/chat/completions gets it) as prompt ids;
+        deepseek_v4 only (ChatFormatError otherwise)."""
+        if self._encoding is None:
+            raise ChatFormatError(
+                "rendering a chat needs chat_format=deepseek_v4 and a tokenizer with its tokens"
+            )
+        return list(self._encoding.encode(self._conversation(messages)))
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         """Each prompt's ids: chat_format none, BOS + the text's tokens (one tokenizer call for the batch);

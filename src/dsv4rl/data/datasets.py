@@ -93,6 +93,19 @@ def _get(record: Any, dotted: str) -> Any:
     return value
 
 
+def _other_columns(record: dict, prompt_key: str, answer_key: str) -> dict[str, Any]:
+    """The row's columns but the prompt and the answer (a dotted key's nested value left out, its
+    siblings kept), for reward functions (`RewardInput.metadata`)."""
+    out = dict(record)
+    for dotted in (prompt_key, answer_key):
+        parent, *rest = dotted.split(".")
+        if not rest:
+            out.pop(parent, None)
+        elif isinstance(out.get(parent), dict):
+            out[parent] = _other_columns(out[parent], ".".join(rest), "\0")
+    return out
+
+
 def _prompt_text(value: Any) -> str | None:
     """The prompt as text: a string, or the content of a one-message user chat list; None if neither."""
     if isinstance(value, str):
@@ -170,7 +183,11 @@ def load_file_problems(
                 pid = str(_get(record, id_key))
         if template is not None:
             prompt = template.replace("{problem}", prompt)
-        problems.append(Problem(prompt=prompt, answer=answer, id=pid))
+        problems.append(
+            Problem(
+                prompt=prompt, answer=answer, id=pid, metadata=_other_columns(record, prompt_key, answer_key)
+            )
+        )
     if not problems:
         raise DatasetError(path, None, None, "contains no rows")
     return problems

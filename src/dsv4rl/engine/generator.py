@@ -37,6 +37,10 @@ log = logging.getLogger("dsv4rl.engine")
 
 ABORT_RUNNING = "Aborted"
 ABORT_WAITING = "Abort in waiting queue"
+# A new batch waits until requests have stopped arriving for this long (at most BATCH_SETTLE_MAX_S): calls
+# sent together then start together (`Generator._settling`).
+BATCH_SETTLE_S = 0.02
+BATCH_SETTLE_MAX_S = 0.1
 DEFAULT_DETERMINISTIC_SEED = 42  # SGLang's seed for requests without sampling_seed (sampling_batch_info.py)
 
 
@@ -54,6 +58,8 @@ class GenRequest:
     return_indexer_topk: bool = False
     captured: dict[str, list] = field(default_factory=dict)  # choices per forward (dsv4rl.engine.capture)
     internal: bool = False  # health checks: no rid bookkeeping in the seed counter
+    submission: int = 0  # the submit() call that queued it, and how many requests it queued
+    submission_size: int = 1
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
@@ -135,6 +141,8 @@ class Generator:
         self._pause_mode: PauseMode | None = None
         self._writers = 0
         self._counter = 0
+        self._submissions = 0  # submit() calls: the requests of one share its number
+        self._split_calls = False  # a client sends concurrent calls: let them settle into one batch
         self._stop = False
         self.steps = 0  # forward passes run; health checks watch it move
         # Why no request may run now (the engine's memory is released), or None: submit refuses, queued
@@ -156,7 +164,9 @@ class Generator:
                 if request.rid in self._rids or request.rid in fresh:
                     raise ValueError(f"Duplicate request ID: the rid {request.rid!r} is already in flight.")
                 fresh.add(request.rid)
+            self._submissions += 1
             for request in requests:
+                request.submission, request.submission_size = self._submissions, len(requests)
                 if not request.internal:
                     self._counter += 1
                 request._generator = torch.Generator().manual_seed(self._seed(request))
@@ -317,6 +327,28 @@ class Generator:
         request.notify()
         self._cond.notify_all()
 
+    def _settling(self) -> bool:
+        """Whether to wait a moment before starting a batch (holding the lock's condition): batched calls
+        that arrive together (a trainer scoring each group as it lands sends a step's work as several)
+        start as one batch, not one batch each, since a batch runs to its end before the next starts. The
+        wait lasts until no such call came for `BATCH_SETTLE_S`, at most `BATCH_SETTLE_MAX_S` after the
+        first, and only once a client has been seen splitting its work so: a client that sends one call
+        at a time, or one sequence per call (a judge's chat requests), never waits."""
+        batched = [r for r in self._waiting if not r.internal and r.submission_size > 1]
+        if not batched:
+            return False
+        if not self._split_calls:
+            self._split_calls = len({r.submission for r in batched}) > 1
+            if not self._split_calls:
+                return False
+        now = time.monotonic()
+        newest = max(r.created for r in batched)
+        oldest = min(r.created for r in batched)
+        if now - newest >= BATCH_SETTLE_S or now - oldest >= BATCH_SETTLE_MAX_S:
+            return False
+        self._cond.wait(timeout=BATCH_SETTLE_S - (now - newest))
+        return True
+
     def _take_batch(self) -> list[GenRequest]:
         length = len(self._waiting[0].sequence())
         batch = [r for r in self._waiting if len(r.sequence()) == length][: self.max_batch_size]
@@ -336,6 +368,8 @@ class Generator:
                 )
                 if self._stop:
                     return
+                if self._settling():
+                    continue
                 batch = self._take_batch()
             # The hang watchdog sees a batch in progress; health checks and warmup are no generate batch.
             work = "generate" if any(not r.internal for r in batch) else "health_check"

@@ -2,8 +2,9 @@
 
 `create_app(model_path, ...)` loads the model and tokenizer and returns the app; `main(argv)` serves it
 with uvicorn. The generation and control endpoints live here; the weight-update endpoints
-(`dsv4rl.engine.weight_routes`) and the memory endpoints (`dsv4rl.engine.memory_routes`) are routers the
-app includes. Every handler works on the app's `Engine` (`dsv4rl.engine.state`).
+(`dsv4rl.engine.weight_routes`), the memory endpoints (`dsv4rl.engine.memory_routes`) and the chat
+completions a judge asks (`dsv4rl.engine.chat_routes`) are routers the app includes. Every handler works
+on the app's `Engine` (`dsv4rl.engine.state`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from dsv4rl.engine.args import ServerArgs, parse_args
+from dsv4rl.engine.chat_routes import router as chat_router
 from dsv4rl.engine.generator import GenRequest
 from dsv4rl.engine.http_util import AbortBody, BadRequest, PauseBody, check_auth, read_body
 from dsv4rl.engine.memory_routes import router as memory_router
@@ -195,6 +197,7 @@ def create_app(model_path: str, *, receiver: Any = None, **kwargs: Any) -> FastA
 
     app.include_router(memory_router)
     app.include_router(weight_router)
+    app.include_router(chat_router)  # /v1/chat/completions: a judge on CPU
     return app
 
 

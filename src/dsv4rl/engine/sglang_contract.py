@@ -9,6 +9,8 @@ installs it) and writes `sglang_contract.json` next to this module:
   types, defaults and whether they are required;
 - `generate_request` and `sampling_params`: the fields of the `/generate` contract gate
   (`sglang/api/v1/api_types.py`; unknown sampling keys are rejected there);
+- `chat_completion_request`: the fields of `/v1/chat/completions` (`ChatCompletionRequest` of
+  `srt/entrypoints/openai/protocol.py`), what a judge sends and the reference engine reads;
 - `server_flags`: every command-line flag of `sglang.launch_server` (`srt/arg_groups/fields/*.py` plus
   the flags `srt/server_args.py` registers by hand) with its destination, type, default and action, and its
   choices when a literal list or a list of `srt/arg_groups/choices.py` gives them (plugins may extend
@@ -37,6 +39,9 @@ _SRT = "sglang/srt/"
 _HTTP_SERVER = _SRT + "entrypoints/http_server.py"
 _IO_STRUCT = _SRT + "managers/io_struct.py"
 _API_TYPES = "sglang/api/v1/api_types.py"
+_OPENAI_PROTOCOL = _SRT + "entrypoints/openai/protocol.py"
+# routes whose body the handler reads itself (no io_struct body): the contract section holding its fields
+ROUTE_BODY_SECTIONS = {"/v1/chat/completions": "chat_completion_request"}
 _FIELDS_DIR = _SRT + "arg_groups/fields/"
 _CHOICES = _SRT + "arg_groups/choices.py"
 _SERVER_ARGS = _SRT + "server_args.py"
@@ -291,6 +296,12 @@ def extract_contract(wheel: Path) -> dict[str, Any]:
         version = re.search(r"^Version:\s*(\S+)", metadata, re.M).group(1)
         io_classes = _classes(read(_IO_STRUCT))
         api_classes = _classes(read(_API_TYPES))
+        openai_classes = _classes(read(_OPENAI_PROTOCOL)) if _OPENAI_PROTOCOL in names else {}
+        chat_fields = (
+            _class_fields(openai_classes, "ChatCompletionRequest")
+            if "ChatCompletionRequest" in openai_classes
+            else {}
+        )
         routes = extract_routes(read(_HTTP_SERVER), io_classes)
         bodies = {
             body: _class_fields(io_classes, body)
@@ -310,6 +321,7 @@ def extract_contract(wheel: Path) -> dict[str, Any]:
         "bodies": bodies,
         "generate_request": _class_fields(api_classes, "GenerateRequest"),
         "sampling_params": _class_fields(api_classes, "SamplingParams"),
+        "chat_completion_request": chat_fields,
         "server_flags": dict(sorted(flags.items())),
     }
 
@@ -356,6 +368,8 @@ def request_problems(
                     problems.append(f"POST /generate: sampling key {key!r} is not in SGLang's SamplingParams")
     elif route["body"] is not None:
         fields = contract["bodies"][route["body"]]
+    elif path in ROUTE_BODY_SECTIONS:
+        fields = contract.get(ROUTE_BODY_SECTIONS[path], {})
     else:
         fields = {}
     for key in body:

@@ -44,6 +44,7 @@ from dsv4rl.launcher.plan import (
     trainer_nodes,
 )
 from dsv4rl.quant import sglang_moe
+from dsv4rl.reward.rewarder import effective_fns
 from dsv4rl.rollout.engine_keys import ADMIN_KEY_ENV, engine_keys_file, engines_need_keys
 from dsv4rl.topology import data_parallel_size, stage_layers, sync_transport, weight_sync_sources
 
@@ -156,6 +157,7 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
             "emulate_non_idempotent_postprocess": sglang_moe.emulates_non_idempotent(cfg),
         },
         "training": training_layout(cfg),
+        "reward": reward_plan(cfg),
         # per GPU against cluster.device, and the time of a step (dsv4rl.estimate; none on CPU)
         "memory": memory,
         "step_time": step_time_json(cfg),
@@ -163,6 +165,70 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
         "nodes": [{**node_plan(cfg, run_dir, n), "memory": node_memory(memory, n)} for n in nodes],
         "warnings": list(warnings or []),
     }
+
+
+JUDGE_STARTED_BY = (
+    "you: an SGLang engine started for the judge (GPUs of its own, not the run's) or a hosted API; "
+    "dsv4rl does not start it"
+)
+
+
+def reward_plan(cfg: Config) -> dict[str, Any]:
+    """The reward's functions, the worker processes of the sync ones, and its external services."""
+    r = cfg.reward
+    remote, judge = r.remote, r.judge
+    return {
+        "functions": [
+            {
+                "name": fn.name,
+                "target": fn.target,
+                "weight": fn.weight,
+                "group": fn.group,
+                "on_error": str(fn.on_error),
+            }
+            for fn in effective_fns(r)
+        ],  # fmt: skip
+        "num_workers": r.num_workers,
+        "remote": {
+            "name": remote.name,
+            "url": remote.url,
+            "weight": remote.weight,
+            "max_concurrency": remote.max_concurrency,
+        }
+        if remote.url
+        else None,  # fmt: skip
+        "judge": {
+            "name": judge.name,
+            "base_url": judge.base_url,
+            "model": judge.model,
+            "weight": judge.weight,
+            "rpm": judge.rpm,
+            "tpm": judge.tpm,
+            "started_by": JUDGE_STARTED_BY,
+        }
+        if judge.base_url
+        else None,  # fmt: skip
+    }
+
+
+def _reward_text(reward: dict[str, Any]) -> str:
+    lines = ["reward (weighted sum; weight 0: logged only):"]
+    for fn in reward["functions"]:
+        group = ", group" if fn["group"] else ""
+        lines.append(f"  {fn['weight']:g} x {fn['name']} = {fn['target']} (on_error {fn['on_error']}{group})")
+    if any(not f["target"].startswith("builtin:") for f in reward["functions"]):
+        lines.append(f"  sync functions run in {reward['num_workers']} worker process(es) on node 0")
+    if reward["remote"]:
+        remote = reward["remote"]
+        lines.append(f"  {remote['weight']:g} x {remote['name']} = remote service {remote['url']} (external)")
+    if reward["judge"]:
+        judge = reward["judge"]
+        limits = f"rpm {judge['rpm'] or 'unlimited'}, tpm {judge['tpm'] or 'unlimited'}"
+        where = f"judge {judge['model']} at {judge['base_url']}"
+        lines.append(
+            f"  {judge['weight']:g} x {judge['name']} = {where} ({limits}); started by {judge['started_by']}"
+        )
+    return "\n".join(lines)
 
 
 def training_layout(cfg: Config) -> dict[str, Any]:
@@ -276,6 +342,7 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         f"weight-update group timeout: {engine['weight_sync_timeout_s']:g} s on trainer and engines"
     )
     console.print(_layout_text(plan["training"]))
+    console.print(_reward_text(plan["reward"]), soft_wrap=True, highlight=False)
     render_memory(plan["memory"], console)
     render_step_time(plan["step_time"], console)
     for node in plan["nodes"]:

@@ -13,6 +13,7 @@ from statistics import median
 from dsv4rl.report.evals import collect_evals, evals_section
 from dsv4rl.report.metrics_table import MetricsTable, mean
 from dsv4rl.report.plots import EVAL_PREFIX, PlotResult, fmt_bytes
+from dsv4rl.report.rollouts import rollouts_section
 
 MEANS_WINDOW = 10  # steps averaged for the reward at the start and at the end
 IDLE_AFTER_S = 300.0  # a run whose metrics have not grown for longer than this (and 10 steps) is stopped
@@ -163,6 +164,9 @@ def render_summary(
     evals = collect_evals(run_dir)
     if evals:  # the periodic evals' reports next to every `dsv4rl eval` of the run's checkpoints
         lines += ["", "## Eval reports", "", *evals_section(evals, run_dir)]
+    saved = rollouts_section(run_dir, out_dir)
+    if saved:
+        lines += ["", "## Rollouts", "", *saved]
     lines += ["", "## Plots", ""]
     for name, path in plots.written.items():
         link = path.relative_to(out_dir) if path.is_relative_to(out_dir) else path

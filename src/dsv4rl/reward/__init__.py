@@ -1,4 +1,5 @@
-"""Rule-based graders: response text + ground truth -> scalar reward."""
+"""Rewards: the rule graders, and a recipe's own reward functions (`reward.fns`, docs/tasks.md), each
+reading one `RewardInput`."""
 
 from dsv4rl.reward.graders import (
     GRADERS,
@@ -11,8 +12,11 @@ from dsv4rl.reward.graders import (
     grade_batch,
     grader_from_config,
 )
+from dsv4rl.reward.inputs import CONTRACT_VERSION, RewardInput
 
 __all__ = [
+    "CONTRACT_VERSION",
+    "RewardInput",
     "GRADERS",
     "ArithGrader",
     "BoxedGrader",

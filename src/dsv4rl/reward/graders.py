@@ -380,6 +380,11 @@ _OPTIONS = {
 }
 
 
+def grader_options(name: GraderName | str) -> tuple[str, ...]:
+    """The options a grader takes (`get_grader`'s keyword arguments; a `builtin:` reward's kwargs)."""
+    return _OPTIONS[choice(GraderName, name, "grader")]
+
+
 def get_grader(
     name: GraderName | str, *, reward: RewardConfig | None = None, pooled: bool = False, **kwargs
 ) -> Grader:
@@ -425,6 +430,7 @@ __all__ = [
     "MathVerifyRule",
     "PooledGrader",
     "get_grader",
+    "grader_options",
     "grade_batch",
     "grade_responses",
     "grader_from_config",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from dsv4rl.config.schema import SamplingConfig
 from dsv4rl.data.chat_format import PromptRenderer
@@ -90,6 +91,9 @@ def _to_sample(group: int, prompt_ids: list[int], output: dict, answer: str) -> 
     )
 
 
+GroupHook = Callable[[int, list[Sample]], None]
+
+
 async def generate_samples(
     clients: Sequence[EngineAPI],
     problems: Sequence[Problem],
@@ -99,9 +103,11 @@ async def generate_samples(
     seed: int | None = None,
     renderer: PromptRenderer | None = None,
     choices: ChoiceRequest | None = None,
+    on_group: GroupHook | None = None,
+    requests_per_engine: int = 1,
 ) -> list[Sample]:
-    """`group_size` samples for every problem, in prompt-major order; one batched /generate per engine,
-    each engine taking a contiguous chunk of the prompts.
+    """`group_size` samples for every problem, in prompt-major order; each engine takes a contiguous chunk
+    of the prompts, sent as `requests_per_engine` batched /generate calls (1: one call per engine).
 
     `seed=None`: each prompt is one item with `n = group_size` and no seed (SGLang then samples from its
     own state: not reproducible). With a seed (the engines run with --enable-deterministic-inference),
@@ -109,40 +115,64 @@ async def generate_samples(
     all `n` samples of one seeded item the same seed, hence the same tokens. Prompts are sent as ids
     (`prompt_token_ids`: rendered in the recipe's chat format by `renderer`). `choices` asks the engines
     for their routing / indexer choices, kept on each sample (`dsv4rl.rollout.choices`).
+
+    `on_group(group, samples)` is called for each prompt's samples as soon as the call that carried them
+    has answered (a reward scores them while other calls are still generating); with more calls per
+    engine groups come back sooner, and SGLang batches concurrent calls anyway.
     """
     asks = choices.generate_kwargs() if choices is not None else {}
     prompt_ids = prompt_token_ids(tokenizer, problems, renderer)
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     chunk = -(-len(problems) // len(clients))
-    calls, starts = [], []
+    calls = []
     for index, client in enumerate(clients):
-        start = index * chunk
-        batch = prompt_ids[start : start + chunk]
-        if not batch:
+        first, last = index * chunk, min((index + 1) * chunk, len(problems))
+        if first >= last:
             continue
-        if seed is None:
-            calls.append(
-                client.generate(
-                    batch, sampling_params(sampling, stop, group_size, None), return_logprob=True, **asks
-                )
-            )
-        else:
-            inputs = [ids for ids in batch for _ in range(group_size)]
-            per_sample = [
-                sampling_params(sampling, stop, 1, sample_seed(seed, start + prompt, sample))
-                for prompt in range(len(batch))
-                for sample in range(group_size)
-            ]
-            calls.append(client.generate(inputs, per_sample, return_logprob=True, **asks))
-        starts.append(start)
-    results = await asyncio.gather(*calls)
-    samples: list[Sample] = []
-    for start, outputs in zip(starts, results, strict=True):
+        per_call = -(-(last - first) // max(1, requests_per_engine))
+        for start in range(first, last, per_call):
+            calls.append(_generate_call(client, start, prompt_ids[start : min(start + per_call, last)], stop,
+                                        group_size, sampling, seed, asks))  # fmt: skip
+    by_start: dict[int, list[Sample]] = {}
+
+    async def run(start: int, call: Awaitable[Any]) -> None:
+        outputs = await call
         outputs = outputs if isinstance(outputs, list) else [outputs]
+        samples = []
         for offset, output in enumerate(outputs):
             group = start + offset // group_size
             sample = _to_sample(group, prompt_ids[group], output, problems[group].answer)
             samples.append(attach_choices(sample, output["meta_info"], choices))
+        by_start[start] = samples
+        if on_group is not None:
+            for at in range(0, len(samples), group_size):
+                on_group(start + at // group_size, samples[at : at + group_size])
+
+    await asyncio.gather(*(run(start, call) for start, call in calls))
+    samples = [sample for start in sorted(by_start) for sample in by_start[start]]
     if len(samples) != len(problems) * group_size:
         raise ValueError(f"expected {len(problems) * group_size} samples, engines returned {len(samples)}")
     return samples
+
+
+def _generate_call(
+    client: EngineAPI,
+    start: int,
+    batch: list[list[int]],
+    stop: list[int],
+    group_size: int,
+    sampling: SamplingConfig,
+    seed: int | None,
+    asks: dict,
+) -> tuple[int, Awaitable[Any]]:
+    """(first prompt index, the /generate call) for the prompts `batch`, which start at `start`."""
+    if seed is None:
+        params = sampling_params(sampling, stop, group_size, None)
+        return start, client.generate(batch, params, return_logprob=True, **asks)
+    inputs = [ids for ids in batch for _ in range(group_size)]
+    per_sample = [
+        sampling_params(sampling, stop, 1, sample_seed(seed, start + prompt, sample))
+        for prompt in range(len(batch))
+        for sample in range(group_size)
+    ]
+    return start, client.generate(inputs, per_sample, return_logprob=True, **asks)

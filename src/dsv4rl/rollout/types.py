@@ -19,6 +19,7 @@ class Sample:
     reward: float = 0.0
     advantage: float = 0.0
     weight_version: str = ""
+    excluded: bool = False  # no reward function scored it: no loss on it (TrainBatch masks it out)
     # The engine's choices (algo.routing_replay / indexer_replay), one row per forwarded position (prompt +
     # response - 1 rows), int32: routed experts [rows, layers * top_k], indexer top-k [rows, CSA layers *
     # index_topk]; the trainer reshapes them with the model's config.

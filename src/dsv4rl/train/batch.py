@@ -75,7 +75,8 @@ class TrainBatch:
             p, r = len(s.prompt_ids), len(s.response_ids)
             after = length - p - r
             ids.append(s.prompt_ids + s.response_ids + [pad_id] * after)
-            mask.append([0.0] * (p - 1) + [1.0] * r + [0.0] * after)
+            on = 0.0 if s.excluded else 1.0  # a sample without a reward carries no loss
+            mask.append([0.0] * (p - 1) + [on] * r + [0.0] * after)
             rollout.append([0.0] * (p - 1) + list(s.rollout_logprobs) + [0.0] * after)
         return cls(
             torch.tensor(ids, dtype=torch.long),

@@ -29,17 +29,17 @@ from dsv4rl.algo.grpo import group_advantages
 from dsv4rl.config.schema import Config, MemoryTag
 from dsv4rl.data.chat_format import PromptRenderer
 from dsv4rl.data.chat_response import ResponseParser, response_split_metrics
+from dsv4rl.data.problems import Problem
 from dsv4rl.data.stream import PromptStream
 from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.faults import heartbeat
 from dsv4rl.faults.failed_push import write_failed_push
 from dsv4rl.faults.stop import StopSignals, write_stopped
 from dsv4rl.metrics import MetricsWriter, StepTimer
-from dsv4rl.reward.graders import Grader, grade_responses
-from dsv4rl.rollout.choices import ChoiceRequest
+from dsv4rl.reward.combine import combine, grader_counts
+from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.colocated import KV_AND_GRAPHS, ColocatedEngines
-from dsv4rl.rollout.generate import generate_samples, rollout_seed
 from dsv4rl.rollout.types import Sample
 from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.sync.verify import SyncVerifier
@@ -50,18 +50,20 @@ from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.checkpoint import checkpoint_dir, latest_checkpoint, load_newest
 from dsv4rl.train.nonfinite import require_finite_weights
 from dsv4rl.train.preempt import BoundaryStop
+from dsv4rl.train.rewarding import generate_and_score
 from dsv4rl.train.rollout_ahead import RolloutAhead, overlap_seconds, staleness
+from dsv4rl.train.rollout_records import saves_rollouts, write_rollouts
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Driver:
-    """What only rank 0 holds: the engines, the data, the grader, the periodic eval and the metrics file."""
+    """What only rank 0 holds: the engines, the data, the reward, the periodic eval and the metrics file."""
 
     clients: Sequence[EngineClient]
     stream: PromptStream
-    grader: Grader
+    rewards: RewardSet  # reward.fns (or the reward.grader short form), remote, judge
     tokenizer: object
     metrics_path: Path
     event_loop: asyncio.AbstractEventLoop
@@ -73,7 +75,7 @@ class Driver:
 
 
 def shape_rewards(cfg: Config, samples: list[Sample], rewards: list[float]) -> torch.Tensor:
-    """Grader rewards plus DAPO's soft overlong penalty when enabled."""
+    """The reward functions' weighted sum plus DAPO's soft overlong penalty when enabled."""
     reward = torch.tensor(rewards, dtype=torch.float32)
     if cfg.algo.overlong.enabled:
         lengths = torch.tensor([len(sample.response_ids) for sample in samples])
@@ -270,7 +272,10 @@ class RLLoop:
         self, step: int, timer: StepTimer, background: bool = False
     ) -> tuple[TrainBatch, dict[str, float]]:
         """Rollout and reward of `step`'s prompts. `background` (async): on a thread of its own, so the
-        phases are timed into the metrics, not reported to the watchdog as the rank's phase."""
+        phases are timed into the metrics, not reported to the watchdog as the rank's phase.
+
+        Each prompt's group is scored as soon as it is back (`generate_and_score`): `time_rollout_s` is
+        the generation, `time_reward_s` the scoring left after the last sample came back."""
 
         def phase(name: str) -> contextlib.AbstractContextManager:
             return timer.phase(name) if background else self.phase(timer, name, step)
@@ -279,54 +284,32 @@ class RLLoop:
         algo = self.cfg.algo
         problems = driver.stream.next_batch()
         kept: list[Sample] = []
-        all_rewards: list[float] = []
-        all_lengths: list[int] = []
-        truncated = 0
+        every: list[Sample] = []  # every sample generated this step (dynamic sampling drops some)
+        outcomes: list[dict] = []
+        prompts: list[Problem] = []  # each sample's problem
         all_parts = []  # reasoning and answer of every response (data.chat_format=deepseek_v4)
-        grading = dict.fromkeys(("grader_timeouts", "grader_errors", "grader_restarts"), 0)
         attempt = 0
         wanted = len(problems) * algo.group_size
         while True:
-            with phase("rollout"):
-                samples = driver.event_loop.run_until_complete(
-                    generate_samples(
-                        driver.clients,
-                        problems,
-                        driver.tokenizer,
-                        algo.group_size,
-                        algo.sampling,
-                        seed=rollout_seed(self.cfg.seed, step, attempt)
-                        if self.cfg.engine.reproducible_sampling
-                        else None,
-                        renderer=driver.renderer,
-                        choices=ChoiceRequest(algo.routing_replay, algo.indexer_replay),
-                    )
+            with phase("rollout"):  # the scoring runs with it; what it left after the generation is "reward"
+                round_ = driver.event_loop.run_until_complete(
+                    generate_and_score(self.cfg, driver, problems, step, attempt, len(every))
                 )
-            with phase("reward"):
-                texts: list[str | None] = [s.response_text for s in samples]
-                if driver.parser is not None:  # graders read the answer; None: thinking never closed
-                    parts = [driver.parser.parse(s.response_ids, s.response_text) for s in samples]
-                    all_parts += parts
-                    texts = [part.answer for part in parts]
-                graded = grade_responses(  # too many grader exceptions stop the run (GraderError)
-                    driver.grader,
-                    texts,
-                    [s.answer for s in samples],
-                    max_error_fraction=self.cfg.reward.max_error_fraction,
-                )
-                raw = graded.rewards
-                grading = {key: grading[key] + count for key, count in graded.counts().items()}
-                rewards = shape_rewards(self.cfg, samples, raw)
-            all_rewards += rewards.tolist()
-            all_lengths += [len(s.response_ids) for s in samples]
-            truncated += sum(s.truncated for s in samples)
-            for sample, reward in zip(samples, rewards.tolist(), strict=True):
-                sample.reward = reward
+            timer.move("rollout", "reward", round_.reward_tail_s)
+            samples = round_.samples
+            every += samples
+            prompts += round_.problems
+            outcomes += round_.outcomes
+            all_parts += round_.parts or []
+            combined = combine(driver.rewards.specs, round_.outcomes)
+            rewards = shape_rewards(self.cfg, samples, combined.totals)
+            for sample, reward, scored in zip(samples, rewards.tolist(), combined.scored, strict=True):
+                sample.reward, sample.excluded = reward, not scored
             if not algo.dynamic_sampling.enabled:
                 kept = samples
                 break
             # DAPO dynamic sampling: keep groups whose rewards differ, over-sample to refill the batch.
-            keep = keep_informative_groups(rewards, algo.group_size)
+            keep = keep_informative_groups(rewards, algo.group_size, torch.tensor(combined.scored))
             kept += [s for s in samples if keep[s.group]]
             attempt += 1
             if len(kept) >= wanted or attempt * len(
@@ -334,27 +317,36 @@ class RLLoop:
             ) >= algo.dynamic_sampling.max_oversample_factor * len(problems):
                 break
             problems = driver.stream.next_batch()
+        step_rewards = driver.rewards.combine(outcomes)  # too many errors of one function stop the run here
         kept = self.fit_to_data_parallel(kept[:wanted] if len(kept) > wanted else kept)
         rewards = torch.tensor([s.reward for s in kept])
-        advantages = group_advantages(rewards, algo.group_size, normalize_std=algo.normalize_std)
+        scored = torch.tensor([not s.excluded for s in kept])
+        advantages = group_advantages(
+            rewards, algo.group_size, normalize_std=algo.normalize_std, scored=scored
+        )
         for sample, advantage in zip(kept, advantages.tolist(), strict=True):
             sample.advantage = advantage
         batch = TrainBatch.from_samples(kept, pad_id=driver.tokenizer.pad_token_id)
-        reward_tensor = torch.tensor(all_rewards)
+        trained = [s.reward for s in every if not s.excluded]
+        reward_tensor = torch.tensor(trained if trained else [float("nan")])
+        lengths = [len(s.response_ids) for s in every]
         metrics = {
             "reward_mean": reward_tensor.mean().item(),
-            "reward_std": reward_tensor.std().item() if len(all_rewards) > 1 else 0.0,
-            "response_len_mean": float(np.mean(all_lengths)),
-            "truncated_fraction": truncated / len(all_lengths),
-            "samples": len(all_rewards),
+            "reward_std": reward_tensor.std().item() if len(trained) > 1 else 0.0,
+            "response_len_mean": float(np.mean(lengths)),
+            "truncated_fraction": sum(s.truncated for s in every) / len(every),
+            "samples": len(every),
             "samples_trained": len(kept),
-            **grading,  # grader calls that timed out or raised (graded incorrect), pool restarts
+            **grader_counts(step_rewards.metrics, driver.rewards.specs),
+            **step_rewards.metrics,  # reward/<name>/score and counts, reward_excluded
             **(response_split_metrics(all_parts) if all_parts else {}),
             # the weights this batch trains are version step - 1: how far behind they were generated
             **staleness([s.weight_version for s in kept], step - 1),
         }
         if background:
             metrics.update({f"time_{name}_s": seconds for name, seconds in timer.seconds.items()})
+        if saves_rollouts(self.cfg.run.save_rollouts, step):
+            write_rollouts(self.run_dir, step, every, prompts, outcomes, all_parts or None, kept)
         return batch, metrics
 
     def fit_to_data_parallel(self, samples: list[Sample]) -> list[Sample]:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from dsv4rl.config.compose import load_config_file
+from dsv4rl.config.compose import load_config_file, reward_base_dirs
 from dsv4rl.config.schema import ChatFormat, Config, RolloutEngineKind, Task
 from dsv4rl.data.chat_format import PromptRenderer, data_chat_settings
 from dsv4rl.data.chat_response import ResponseParser
@@ -36,7 +36,7 @@ from dsv4rl.model.tiny import run_tokenizer
 from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.quant.sglang_env import engine_env
 from dsv4rl.quant.sglang_moe import recipe_moe_path, restart_reason
-from dsv4rl.reward.graders import get_grader
+from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.colocated import ColocatedEngines
 from dsv4rl.rollout.engines import engine_clients, freeze_engines_gc, wait_for_engines
@@ -70,13 +70,15 @@ def build_driver(
     # The tiny model builds its tokenizer; a model directory carries its own.
     tokenizer = run_tokenizer(cfg.model)
     renderer = PromptRenderer(tokenizer, data_chat_settings(cfg.data))
+    rewards = RewardSet.from_config(cfg.reward, reward_base_dirs(cfg))
+    event_loop.run_until_complete(rewards.start())  # the reward workers import the user's modules now
     evaluator = None
     if cfg.eval is not None and cfg.eval.every_steps > 0:
         evaluator = PeriodicEval(cfg, clients, tokenizer, event_loop, run_dir)
     return Driver(
         clients=clients,
         stream=build_prompt_stream(cfg, renderer),
-        grader=get_grader(cfg.reward.grader, reward=cfg.reward),
+        rewards=rewards,
         tokenizer=tokenizer,
         metrics_path=run_dir / "metrics.jsonl",
         event_loop=event_loop,
@@ -229,9 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         if weight_sync is not None:
             weight_sync.close()
         if driver is not None:
-            close_grader = getattr(driver.grader, "close", None)  # math-verify keeps a process pool
-            if close_grader is not None:
-                close_grader()
+            event_loop.run_until_complete(driver.rewards.aclose())  # the remote's and the judge's clients
+            driver.rewards.close()  # the reward worker pool, math-verify's
             if driver.evaluator is not None:
                 driver.evaluator.close()
             for client in driver.clients:

@@ -1,0 +1,144 @@
+"""One generation round of a step with its reward: the engines generate, and each prompt's group is scored
+as soon as its samples are back (`RewardSet.score_group`), so scoring overlaps the generation of the rest.
+
+Only a reward whose scoring took more than half the generation time in the last round (`OVERLAP_WHEN`)
+splits an engine's share of the prompts into several /generate calls, so that groups come back in waves
+and are scored while the rest generate; otherwise (the rule graders, a cheap function) the engines get
+the one call each they always got: the calls would cost more than the overlap hides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dsv4rl.config.schema import ChatFormat, Config
+from dsv4rl.data.chat_format import user_messages
+from dsv4rl.data.chat_response import ResponseParser, ResponseParts
+from dsv4rl.data.problems import Problem
+from dsv4rl.reward.inputs import RewardInput
+from dsv4rl.reward.results import Outcome
+from dsv4rl.reward.rewarder import RewardSet
+from dsv4rl.rollout.choices import ChoiceRequest
+from dsv4rl.rollout.generate import generate_samples, rollout_seed
+from dsv4rl.rollout.types import Sample
+
+# /generate calls per engine when scoring overlaps generation: groups come back in this many waves
+OVERLAP_CALLS_PER_ENGINE = 8
+# Split the generation into those calls once the last round's scoring took longer than this share of its
+# generation: below it the calls cost more (HTTP, the engine's batching) than the overlap hides.
+OVERLAP_WHEN = 0.5
+
+
+def reward_inputs(
+    problem: Problem,
+    samples: Sequence[Sample],
+    parts: Sequence[ResponseParts] | None,
+    step: int,
+    first_index: int,
+    chat: bool,
+) -> list[RewardInput]:
+    """The `RewardInput`s of one prompt's samples (`first_index`: the first one's index in the step)."""
+    out = []
+    for offset, sample in enumerate(samples):
+        part = parts[offset] if parts is not None else None
+        out.append(
+            RewardInput(
+                prompt=problem.prompt,
+                response=sample.response_text,
+                answer=part.answer if part is not None else sample.response_text,
+                reasoning=part.reasoning if part is not None else "",
+                ground_truth=problem.answer,
+                metadata=dict(problem.metadata),
+                messages=user_messages(problem.prompt) if chat else None,
+                prompt_ids=list(sample.prompt_ids),
+                response_ids=list(sample.response_ids),
+                finish_reason=sample.finish_reason,
+                step=step,
+                index=first_index + offset,
+                group=sample.group,
+                problem_id=problem.id,
+            )
+        )
+    return out
+
+
+def calls_for(rewards: RewardSet) -> int:
+    """/generate calls per engine: `OVERLAP_CALLS_PER_ENGINE` once scoring is slow enough to be worth
+    hiding behind generation (`rewards.overlap`, set after each round), else one."""
+    return OVERLAP_CALLS_PER_ENGINE if rewards.overlap and not rewards.cheap else 1
+
+
+@dataclass
+class Round:
+    """A generation round: the samples (prompt-major), each one's reasoning/answer split (chat format
+    only), each one's verdict per function, and when the last sample came back."""
+
+    samples: list[Sample]
+    problems: list[Problem]  # each sample's
+    parts: list[ResponseParts] | None
+    outcomes: list[dict[str, Outcome]]
+    generate_s: float  # from the first call to the last sample back
+    reward_tail_s: float  # scoring left after that (what overlap did not hide)
+
+
+async def generate_and_score(
+    cfg: Config,
+    driver,  # noqa: ANN001  (dsv4rl.train.loop.Driver: the loop imports this module)
+    problems: Sequence[Problem],
+    step: int,
+    attempt: int,
+    first_index: int,
+    calls_per_engine: int | None = None,
+) -> Round:
+    """Generate `problems`' groups on the engines and score each group as it arrives; `calls_per_engine`
+    overrides `calls_for` (benchmarks)."""
+    algo = cfg.algo
+    rewards: RewardSet = driver.rewards
+    parser: ResponseParser | None = driver.parser
+    chat = cfg.data.chat_format != ChatFormat.none
+    tasks: dict[int, asyncio.Task] = {}
+    parts: dict[int, list[ResponseParts] | None] = {}
+    first_back: list[float] = []
+
+    def on_group(group: int, samples: list[Sample]) -> None:
+        first_back.append(time.monotonic())
+        split = (
+            [parser.parse(s.response_ids, s.response_text) for s in samples] if parser is not None else None
+        )
+        parts[group] = split
+        inputs = reward_inputs(
+            problems[group], samples, split, step, first_index + group * len(samples), chat
+        )
+        tasks[group] = asyncio.ensure_future(rewards.score_group(inputs))
+
+    started = time.monotonic()
+    try:
+        samples = await generate_samples(
+            driver.clients,
+            problems,
+            driver.tokenizer,
+            algo.group_size,
+            algo.sampling,
+            seed=rollout_seed(cfg.seed, step, attempt) if cfg.engine.reproducible_sampling else None,
+            renderer=driver.renderer,
+            choices=ChoiceRequest(algo.routing_replay, algo.indexer_replay),
+            on_group=on_group,
+            requests_per_engine=calls_per_engine or calls_for(rewards),
+        )
+        generated = time.monotonic()
+        scored = await asyncio.gather(*(tasks[group] for group in sorted(tasks)))
+    except BaseException:
+        for task in tasks.values():
+            task.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        raise
+    outcomes = [per_sample for group in scored for per_sample in group.outcomes]
+    split_parts = [p for group in sorted(parts) for p in parts[group]] if parser is not None else None
+    per_sample = [problems[s.group] for s in samples]
+    done = time.monotonic()
+    scoring_span = done - min(first_back, default=done)
+    rewards.overlap = scoring_span > OVERLAP_WHEN * (generated - started)  # the next round's calls
+    return Round(samples, per_sample, split_parts, outcomes, generated - started, done - generated)
