@@ -89,3 +89,18 @@ def json_reply(response: httpx.Response, what: str, url: str, expected: str) -> 
             f"{what} {url} answered HTTP {response.status_code} with a body that is not JSON ({error}): "
             f"{response.text[:200]!r}; it must answer {expected}"
         ) from None
+
+
+class HTTPScorerClient:
+    """The lazily opened httpx client of a scorer that calls a service (remote rewards, the judge), closed
+    once at the end of the run; `close` is the synchronous half of the scorer protocol (nothing to do)."""
+
+    _client: httpx.AsyncClient | None = None
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def close(self) -> None:
+        pass

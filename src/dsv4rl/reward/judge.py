@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from dsv4rl.config.schema import RewardJudgeConfig
-from dsv4rl.reward.http_retry import BACKOFF_S, RewardHTTPError, json_reply, post_json
+from dsv4rl.reward.http_retry import BACKOFF_S, HTTPScorerClient, RewardHTTPError, json_reply, post_json
 from dsv4rl.reward.inputs import RewardInput, template_fields
 from dsv4rl.reward.results import BadResult, read_result
 from dsv4rl.reward.scorers import FnSpec
@@ -139,7 +139,7 @@ def estimate_tokens(text: str, max_tokens: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------- the scorer
-class JudgeScorer:
+class JudgeScorer(HTTPScorerClient):
     """`reward.judge` as a scorer: one chat completion per sample."""
 
     def __init__(
@@ -224,11 +224,3 @@ class JudgeScorer:
 
     async def score(self, samples: Sequence[RewardInput]) -> list[Any]:
         return list(await asyncio.gather(*(self._one(s) for s in samples)))
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-
-    def close(self) -> None:
-        pass

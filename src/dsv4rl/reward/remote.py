@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from dsv4rl.config.schema import RemoteRewardConfig
-from dsv4rl.reward.http_retry import BACKOFF_S, RewardHTTPError, json_reply, post_json
+from dsv4rl.reward.http_retry import BACKOFF_S, HTTPScorerClient, RewardHTTPError, json_reply, post_json
 from dsv4rl.reward.inputs import CONTRACT_VERSION, RewardInput
 from dsv4rl.reward.scorers import FnSpec
 from dsv4rl.reward.verify_pool import CallFailed
@@ -50,7 +50,7 @@ def read_results(data: Any, n: int, url: str) -> list[Any]:
     return results
 
 
-class RemoteScorer:
+class RemoteScorer(HTTPScorerClient):
     """`reward.remote` as a scorer; one `httpx.AsyncClient` on the trainer's event loop."""
 
     def __init__(
@@ -96,11 +96,3 @@ class RemoteScorer:
         batches = [samples[i : i + size] for i in range(0, len(samples), size)]
         results = await asyncio.gather(*(self._batch(batch) for batch in batches))
         return [result for batch in results for result in batch]
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-
-    def close(self) -> None:
-        pass
