@@ -72,7 +72,7 @@ def measure_overlap(repeats: int, log_dir: Path, calls: int | None = None) -> di
         loop.run_until_complete(rewards.start())
         client = EngineClient(urls["engine"])
         driver = SimpleNamespace(clients=[client], tokenizer=tokenizer, renderer=renderer,
-                                 parser=None, rewards=rewards)  # fmt: skip
+                                 parser=None, rewards=rewards, multi_turn=None)  # fmt: skip
         stream = build_prompt_stream(cfg, renderer)
         algo = cfg.algo
         for repeat in range(-1, repeats + 1):  # two warm-ups: the first scores after generating, the second

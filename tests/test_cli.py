@@ -70,7 +70,10 @@ def test_train_runs_path_checks(supervisor: list[Config]) -> None:
 def test_missing_recipe_lists_recipes(supervisor: list[Config]) -> None:
     result = runner.invoke(app, ["train", "run.dir=x"])
     assert result.exit_code == 2
-    assert "no recipe given" in result.output and "dapo_math, dapo_math_h200, tiny_arith" in result.output
+    assert (
+        "no recipe given" in result.output
+        and "dapo_math, dapo_math_h200, dapo_math_tir, tiny_arith" in result.output
+    )
 
 
 def test_config_errors_exit_2_without_traceback(supervisor: list[Config]) -> None:

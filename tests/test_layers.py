@@ -17,7 +17,7 @@ LAYERS = [
     ["config"],
     ["metrics", "faults", "quant", "topology"],
     ["wire", "model", "algo", "reward", "data", "estimate", "report"],
-    ["engine"],
+    ["engine", "tools"],
     ["sync", "rollout", "trackers"],
     ["eval"],
     ["train"],

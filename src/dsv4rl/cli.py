@@ -471,9 +471,12 @@ def prompts_command(
         raise _fail(f"--n must be >= 0 (got {n})")
     from pathlib import Path
 
+    from dsv4rl.config.compose import reward_base_dirs
+    from dsv4rl.data.chat_format import PromptRenderer, data_chat_settings
     from dsv4rl.data.prompt_report import prompt_report
     from dsv4rl.model.tiny import run_tokenizer
     from dsv4rl.model.tokenizer_files import has_tokenizer
+    from dsv4rl.rollout.multi_turn import build_multi_turn
 
     if cfg.data.path is not None and not Path(cfg.data.path).expanduser().is_file():
         raise _fail(
@@ -483,7 +486,10 @@ def prompts_command(
     own = cfg.model.path is not None and has_tokenizer(Path(cfg.model.path).expanduser())
     try:
         tokenizer = run_tokenizer(cfg.model)
-        report = prompt_report(cfg, tokenizer, n, cfg.model.path if own else cfg.model.tokenizer)
+        settings = data_chat_settings(cfg.data)
+        multi = build_multi_turn(cfg, tokenizer, settings, reward_base_dirs(cfg))  # the tools' schemas
+        renderer = multi.renderer if multi is not None else PromptRenderer(tokenizer, settings)
+        report = prompt_report(cfg, renderer, n, cfg.model.path if own else cfg.model.tokenizer)
     except (ValueError, ImportError) as exc:  # a tokenizer without the chat tokens, a bad data row
         raise _fail(str(exc)) from None
     if as_json:

@@ -50,13 +50,15 @@ def build(cfg: schema.Config, root: Path, models: dict) -> None:
     import torch
 
     from dsv4rl.config.compose import reward_base_dirs
+    from dsv4rl.data.chat_format import data_chat_settings
     from dsv4rl.data.stream import build_prompt_stream
     from dsv4rl.eval.data import eval_problems
     from dsv4rl.launcher.plan import build_local_plan
     from dsv4rl.model.model_dir import materialize_model
-    from dsv4rl.model.tiny import checkpoint_wire_format
+    from dsv4rl.model.tiny import checkpoint_wire_format, run_tokenizer
     from dsv4rl.reward.graders import get_grader
     from dsv4rl.reward.rewarder import RewardSet
+    from dsv4rl.rollout.multi_turn import build_multi_turn
     from dsv4rl.topology import weight_sync_sources
     from dsv4rl.train.backend import build_backend
 
@@ -67,6 +69,7 @@ def build(cfg: schema.Config, root: Path, models: dict) -> None:
     get_grader(cfg.reward.grader, reward=cfg.reward)
     RewardSet.from_config(cfg.reward, reward_base_dirs(cfg)).close()  # reward.fns, remote, judge
     build_prompt_stream(cfg).next_batch()
+    build_multi_turn(cfg, run_tokenizer(cfg.model), data_chat_settings(cfg.data), reward_base_dirs(cfg))
     if cfg.eval is not None:
         eval_problems(cfg)
     weight_sync_sources(cfg)

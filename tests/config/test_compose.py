@@ -194,7 +194,9 @@ def test_wrong_type_names_expected_type(override: str, expected: str) -> None:
 
 def test_unknown_recipe_lists_recipes() -> None:
     with pytest.raises(
-        ConfigError, match="unknown recipe 'nope'; available recipes: dapo_math, dapo_math_h200, tiny_arith"
+        ConfigError,
+        match="unknown recipe 'nope'; available recipes: dapo_math, dapo_math_h200, dapo_math_tir, "
+        "tiny_arith, tiny_tool",
     ):
         compose("nope")
 

@@ -58,10 +58,12 @@ def port_overrides() -> list[str]:
     ]
 
 
-def train(run_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def train(
+    run_dir: Path, *overrides: str, timeout: float = 900, recipe: str = "tiny_arith"
+) -> subprocess.CompletedProcess:
     argv = [
         *CLI,
-        "recipe=tiny_arith",
+        f"recipe={recipe}",
         f"run.dir={run_dir}",
         "run.progress=false",
         *port_overrides(),

@@ -223,6 +223,7 @@ def _loop_with(texts: list[str], answer: str = "7") -> RLLoop:
         event_loop=asyncio.new_event_loop(),
         renderer=None,  # data.chat_format=none: prompts as they are, responses graded whole
         parser=None,
+        multi_turn=None,  # rollout.mode=single_turn
     )
     return loop
 

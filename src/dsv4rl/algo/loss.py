@@ -131,13 +131,23 @@ def reuses_policy_forward(updates_per_step: int, old_logprobs_given: bool) -> bo
     return updates_per_step == 1 and not old_logprobs_given
 
 
+def sampled_only(rollout_logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    """The rollout log-probs on the loss-bearing targets, the old policy's elsewhere.
+
+    A target the model did not sample (a tool result or a turn token the chat template inserted, the
+    prompt, padding) carries whatever the rollout left there (0.0, or anything else): with this it has
+    train-vs-rollout ratio 1 and difference 0, so not even a non-finite value there (-inf * 0 is NaN)
+    reaches the TIS/MIS weights, the loss or a metric."""
+    return torch.where(loss_mask > 0, rollout_logprobs, old_logprobs)
+
+
 def rollout_corrections(
     algo: AlgoConfig, old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor
 ) -> tuple[Tensor | None, dict[str, float]]:
     """TIS/MIS weights of the train-vs-rollout mismatch as `algo.tis` / `algo.mis` ask for them."""
     return correction_weights(
         old_logprobs,
-        rollout_logprobs,
+        sampled_only(rollout_logprobs, old_logprobs, loss_mask),
         loss_mask,
         tis_clip=algo.tis.clip if algo.tis.enabled else None,
         mis_bounds=(algo.mis.low, algo.mis.high) if algo.mis.enabled else None,
@@ -153,6 +163,7 @@ def step_sums(
 ) -> Tensor:
     """The batch-derived sums of a step; without a reference model KL is k3 against the rollout."""
     sums = torch.zeros(NUM_STEP_SUMS, dtype=torch.float64, device=loss_mask.device)
+    rollout_logprobs = sampled_only(rollout_logprobs, old_logprobs, loss_mask)
     sums[ABS_DIFF] = ((old_logprobs - rollout_logprobs).abs() * loss_mask).sum()
     sums[TOKENS] = loss_mask.sum()
     sums[TIS_CLIPPED] = corrections["tis_clipped"]

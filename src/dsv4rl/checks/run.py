@@ -36,6 +36,7 @@ GRADERS = tuple(GraderName)
 PAUSE_MODES = tuple(PauseMode)
 OPTIMIZERS = tuple(OptimizerName)
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+PROCEDURAL_DATA = ("tiny_arith", "tiny_tool")  # data.name values that read no file
 
 
 def _check_sampling(prefix: str, s: SamplingConfig, add: Add) -> None:
@@ -239,7 +240,7 @@ def _check_tiny_release_keys(cfg: Config, add: Add) -> None:
 
 def check_data_reward_eval(cfg: Config, add: Add) -> None:
     d, r = cfg.data, cfg.reward
-    if d.name != "tiny_arith" and d.path is None:
+    if d.name not in PROCEDURAL_DATA and d.path is None:
         add(f"data.name={d.name!r} reads a file: set data.path=<jsonl or parquet file>")
     if d.path is not None and not d.path.endswith(DATA_SUFFIXES):
         add(f"data.path={d.path!r} must be a {' / '.join(DATA_SUFFIXES)} file")

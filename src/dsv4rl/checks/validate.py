@@ -23,6 +23,7 @@ from dsv4rl.checks.problems import Add
 from dsv4rl.checks.quant import check_checkpoint_format, check_quant
 from dsv4rl.checks.replay import check_replay
 from dsv4rl.checks.reward import check_reward, check_reward_targets
+from dsv4rl.checks.rollout import check_rollout, check_rollout_targets
 from dsv4rl.checks.run import (
     GRADERS,
     LAYER_TYPES,
@@ -59,6 +60,7 @@ _CHECKS: list[Callable[[Config, Add], None]] = [
     check_model,
     check_data_reward_eval,
     check_reward,
+    check_rollout,
     check_run,
     check_quant,
     check_families,
@@ -86,6 +88,7 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
         machine.check_model_layout(cfg, problems.append)
         machine.check_transformer_engine(cfg, problems.append)
         check_reward_targets(cfg, problems.append)  # imports the user's reward modules
+        check_rollout_targets(cfg, problems.append)  # and their tools / environment
     if len(problems) == 1:
         raise ConfigError(f"recipe {cfg.recipe!r}: {problems[0]}", problems)
     if problems:

@@ -237,6 +237,44 @@ class GraderName(Choice):
     math_verify = "math_verify"
 
 
+class RolloutMode(Choice):
+    """How a trajectory is generated (docs/agents.md)."""
+
+    single_turn = "single_turn"  # one response per prompt (no tools)
+    tools = "tools"  # generate, run the tool calls, append the results, generate again
+    env = "env"  # a user environment (`rollout.env`) answers each assistant turn
+
+
+class TitoCheck(Choice):
+    """What a chat render that is not append-only (the earlier render not a prefix of the later) does."""
+
+    strict = "strict"  # the trajectory ends with finish reason `abort` (counted in tool/tito_mismatches)
+    warn = "warn"  # logged and counted; the model's own tokens are kept, the render's tail appended
+
+
+class MalformedCall(Choice):
+    """What a malformed tool call (bad syntax, unknown tool, arguments not matching the schema) does."""
+
+    feedback = "feedback"  # the error goes back to the model as that call's result
+    terminate = "terminate"  # the trajectory ends there (finish reason `abort`)
+
+
+class TruncateSide(Choice):
+    """Which part of a tool output longer than `rollout.max_tool_output_tokens` is kept."""
+
+    left = "left"  # the beginning
+    right = "right"  # the end (a traceback's last lines)
+    middle = "middle"  # the beginning and the end, the middle cut
+
+
+class SandboxIsolation(Choice):
+    """What isolates `builtin:python`'s code (its `isolation` kwarg; docs/agents.md)."""
+
+    auto = "auto"  # namespaces where this machine allows them, else rlimits
+    namespaces = "namespaces"  # required: refused where unshare does not work
+    rlimits = "rlimits"  # rlimits, the timeout and the audit hook only
+
+
 class RewardOnError(Choice):
     """What a reward function's call that raised, timed out or returned something unusable is worth."""
 
@@ -555,7 +593,7 @@ class ArithDataConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "tiny_arith"  # tiny_arith | dapo_math | aime24 | math500 | gsm8k
+    name: str = "tiny_arith"  # tiny_arith | tiny_tool | dapo_math | aime24 | math500 | gsm8k
     path: str | None = None  # jsonl or parquet; null for procedural data
     prompt_key: str = "prompt"
     answer_key: str = "reward_model.ground_truth"
@@ -642,6 +680,38 @@ class RewardConfig:
     remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)  # a reward service over HTTP
     judge: RewardJudgeConfig = field(default_factory=RewardJudgeConfig)  # a judge model (chat completions)
     async_concurrency: int = 64  # calls of `async def` reward functions in flight at once
+
+
+@dataclass
+class ToolConfig:
+    """One tool of `rollout.tools`: `target` is `builtin:python`, `pkg.module:Name` or `file.py:Name` (a
+    class implementing dsv4rl.tools.base.Tool, instantiated with `kwargs`, or a plain function)."""
+
+    target: str = ""
+    name: str | None = None  # null: the tool's own name
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 30.0  # per call, enforced by the rollout whatever the tool does
+
+
+@dataclass
+class RolloutConfig:
+    """How trajectories are generated: one turn, or turns with tool calls / an environment in between.
+    Budgets are per trajectory except `max_new_tokens_per_turn` (docs/agents.md)."""
+
+    mode: RolloutMode = RolloutMode.single_turn
+    tools: list[ToolConfig] = field(default_factory=list)
+    env: str | None = None  # mode env: `pkg.module:Class` / `file.py:Class` (dsv4rl.rollout.env.Env)
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 4  # assistant turns per trajectory
+    max_tool_calls: int = 8  # tool calls per trajectory (past it: finish reason tool_budget)
+    max_parallel_calls: int = 4  # one turn's calls run at most this many at once
+    max_new_tokens_per_turn: int | None = None  # null: algo.sampling.max_new_tokens
+    max_total_tokens: int = 1024  # the whole trajectory after the prompt, inserted tokens included
+    max_tool_output_tokens: int = 256  # one call's result, after the template's tokens
+    truncate_side: TruncateSide = TruncateSide.middle
+    tito_check: TitoCheck = TitoCheck.strict
+    on_malformed_call: MalformedCall = MalformedCall.feedback
+    max_concurrent_tools: int = 32  # tool calls in flight across all trajectories (the tool pool)
 
 
 @dataclass
@@ -868,6 +938,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     eval: EvalConfig | None = None  # no eval set: nothing is evaluated
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)

@@ -85,3 +85,21 @@ class ArithProblems(Sequence[Problem]):
         while True:
             yield from self.epoch(k)
             k += 1
+
+
+TINY_TOOL_PROMPT = "Q:"
+TINY_TOOL_ROWS = 4096
+
+
+def tiny_tool_problems(max_answer: int, seed: int = 0, rows: int = TINY_TOOL_ROWS) -> list[Problem]:
+    """The `tiny_tool` task: every prompt is the same "Q:", each row hides a digit in 0..max_answer (its
+    `secret` column and its answer). No policy can beat a guess without reading the row, and the only
+    way to read it is the `lookup` tool (`builtin:lookup`), so the reward measures tool use."""
+    if not 0 <= max_answer <= 9:
+        raise ValueError(f"data.arith.max_answer={max_answer}: tiny_tool hides one digit, 0..9")
+    rng = random.Random(f"tiny_tool:{seed}")
+    out = []
+    for index in range(rows):
+        secret = rng.randint(0, max_answer)
+        out.append(Problem(TINY_TOOL_PROMPT, str(secret), f"tool-{index}", metadata={"secret": secret}))
+    return out

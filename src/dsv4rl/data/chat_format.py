@@ -136,9 +136,11 @@ def user_messages(prompt: str) -> list[dict[str, str]]:
 class PromptRenderer:
     """Problems -> the prompt ids the engines and the trainer see (and the text, for `dsv4rl prompts`)."""
 
-    def __init__(self, tokenizer: Any, settings: ChatSettings):
+    def __init__(self, tokenizer: Any, settings: ChatSettings, tools: Sequence[dict[str, Any]] = ()):
         self.tokenizer = tokenizer
         self.settings = settings
+        # function schemas ({"name", "description", "parameters"}) rendered into every prompt's tool block
+        self.tools = [dict(schema) for schema in tools]
         self._encoding = None
         if settings.format == ChatFormat.deepseek_v4:
             self.token_ids = check_chat_tokenizer(tokenizer)
@@ -164,6 +166,8 @@ class PromptRenderer:
         }
         if self.settings.reasoning_effort is not None:
             body["reasoning_effort"] = self.settings.reasoning_effort.value
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": schema} for schema in self.tools]
         try:
             return self.recipe.ChatCompletionRequest(body).convert(self._options).conversation
         except self.recipe.ConversionError as error:

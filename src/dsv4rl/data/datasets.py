@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4rl.config.schema import DataConfig
-from dsv4rl.data.arith import ArithProblems
+from dsv4rl.data.arith import ArithProblems, tiny_tool_problems
 from dsv4rl.data.problems import Problem
 
 # DAPO-Math-17k's prompt template (its prompts already contain it); use it to ask AIME/MATH problems
@@ -246,6 +246,8 @@ def problem_source(cfg: DataConfig, seed: int = 0) -> Sequence[Problem]:
     """
     if cfg.name == "tiny_arith":
         return ArithProblems(cfg.arith, seed)
+    if cfg.name == "tiny_tool":
+        return tiny_tool_problems(cfg.arith.max_answer, seed)
     if not cfg.path:
         raise ValueError(f"data.path is required for data.name={cfg.name!r} (a .jsonl or .parquet file)")
     if _ALIASES.get(cfg.name, cfg.name) in DATASETS:

@@ -1,6 +1,9 @@
 """`dsv4rl prompts`: what the model will see. The first N prompts of the recipe's training data as
 rendered and tokenized for the engines, and the prompt-length distribution of the whole data set with
-how many rows `data.max_prompt_len` leaves out.
+how many rows `data.max_prompt_len` leaves out. With tools (`rollout.mode` tools / env) the prompts are
+rendered as training renders them, by `build_multi_turn`'s renderer: with deepseek_v4 every prompt carries
+the tools' block (which counts against `max_prompt_len`); chat_format none has no block, the tools are
+listed beside the prompts.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dsv4rl.config.schema import Config
-from dsv4rl.data.chat_format import PromptRenderer, data_chat_settings
+from dsv4rl.data.chat_format import PromptRenderer
 from dsv4rl.data.datasets import problem_source
 from dsv4rl.data.stream import encode_problems
 
@@ -30,10 +33,11 @@ def length_summary(lengths: list[int]) -> dict[str, float | int]:
     return summary
 
 
-def prompt_report(cfg: Config, tokenizer: Any, n: int, tokenizer_name: str) -> dict[str, Any]:
+def prompt_report(cfg: Config, renderer: PromptRenderer, n: int, tokenizer_name: str) -> dict[str, Any]:
     """{"prompts": [{"id", "text", "ids", "tokens"}], "lengths": {...}, "dropped": N} for the recipe's
-    training prompts (after `data.holdout`), in data-set order; `tokenizer_name` says which was used."""
-    renderer = PromptRenderer(tokenizer, data_chat_settings(cfg.data))
+    training prompts (after `data.holdout`), in data-set order, rendered by `renderer` (a multi-turn
+    recipe's carries its tools); `tokenizer_name` says which tokenizer was used. `rollout_mode` and
+    `tools` (the schemas the prompts carry) say what a multi-turn recipe adds."""
     problems = problem_source(cfg.data, cfg.seed)
     encoded = encode_problems(problems, renderer, cfg.data.max_prompt_len)
     first = [problems[i] for i in range(min(n, len(problems)))]
@@ -52,6 +56,8 @@ def prompt_report(cfg: Config, tokenizer: Any, n: int, tokenizer_name: str) -> d
         "thinking": settings.thinking,
         "reasoning_effort": settings.reasoning_effort.value if settings.reasoning_effort else None,
         "tokenizer": tokenizer_name,
+        "rollout_mode": cfg.rollout.mode.value,
+        "tools": [dict(schema) for schema in renderer.tools],
     }
 
 
@@ -69,6 +75,7 @@ def render_prompts(report: dict[str, Any], console: Console) -> None:
     for row in report["prompts"]:
         prompts.add_row(escape(str(row["id"])), str(row["tokens"]), escape(row["text"]))
     console.print(prompts)
+    _print_tools(report, console)
     lengths = report["lengths"]
     table = Table(title="prompt length in tokens, whole data set")
     keys = ["count", "min", "mean", *(f"p{p}" for p in PERCENTILES), "max", "max_prompt_len"]
@@ -77,3 +84,18 @@ def render_prompts(report: dict[str, Any], console: Console) -> None:
     cells = [f"{lengths[k]:.1f}" if isinstance(lengths[k], float) else str(lengths[k]) for k in keys]
     table.add_row(*cells, str(report["dropped"]))
     console.print(table)
+
+
+def _print_tools(report: dict[str, Any], console: Console) -> None:
+    """The tools a multi-turn recipe gives the model (deepseek_v4: also in the prompts' block above)."""
+    tools = report.get("tools") or []
+    if not tools:
+        return
+    where = (
+        "in every prompt's tool block above"
+        if report["chat_format"] != "none"
+        else "called with the plain syntax `argument?` (chat_format none: no block in the prompt)"
+    )
+    console.print(f"rollout.mode={report.get('rollout_mode')}: {len(tools)} tool(s), {where}")
+    for schema in tools:
+        console.print(f"  {escape(str(schema.get('name')))}: {escape(str(schema.get('description', '')))}")

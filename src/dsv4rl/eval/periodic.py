@@ -2,7 +2,8 @@
 recipe's eval set on the rollout engines (which now hold that step's weights) and the step's line of
 metrics.jsonl gets `eval/pass@k` (the recipe's `eval.k`), `eval/avg@n`, `eval/maj@n`,
 `eval/truncation_ratio`, `eval/response_len_mean` (with a chat format's split, `eval/no_answer_fraction`,
-`eval/reasoning_len_mean`, `eval/answer_len_mean`), and the grading's `eval_grader_timeouts`,
+`eval/reasoning_len_mean`, `eval/answer_len_mean`; with tools, `eval/calls_per_problem`, `eval/turns_mean`,
+the tool errors and `eval/finish/<reason>`), and the grading's `eval_grader_timeouts`,
 `eval_grader_errors`, `eval_grader_restarts` (counts, kept out of `eval/` and its score plot); the full
 report goes to `<run.dir>/eval/step_<N>.json`. The grader runs in its own worker pool (`eval_grader`),
 so a response that would take a grader minutes costs `reward.timeout_s`, not the step.
@@ -18,6 +19,7 @@ from typing import Any
 from dsv4rl.config.schema import Config
 from dsv4rl.eval.data import eval_problems
 from dsv4rl.eval.run import eval_grader, evaluate_on_engines, write_report
+from dsv4rl.eval.tools import TOOL_METRIC_KEYS
 from dsv4rl.eval.weights import training_weights
 from dsv4rl.wire.engine_api import EngineAPI
 
@@ -32,6 +34,7 @@ def eval_metrics(report: dict[str, Any], ks: Sequence[int]) -> dict[str, float |
     n = report["samples_per_problem"]
     keys = [f"pass@{k}" for k in ks] + [f"avg@{n}", f"maj@{n}", "truncation_ratio", "response_len_mean"]
     keys += [key for key in SPLIT_KEYS if key in report]  # data.chat_format=deepseek_v4's split
+    keys += [key for key in TOOL_METRIC_KEYS if key in report]  # rollout.mode tools / env (eval.tools)
     metrics: dict[str, float | None] = {f"eval/{key}": report[key] for key in keys}  # time: time_eval_s
     grading = report.get("grading")
     if grading is not None:

@@ -23,6 +23,7 @@ from dsv4rl.data.chat_format import PromptRenderer, eval_chat_settings
 from dsv4rl.data.chat_response import ResponseParser, response_split_metrics, split_saved_response
 from dsv4rl.data.problems import Problem
 from dsv4rl.eval.scores import ProblemResult, problem_row, score_problems
+from dsv4rl.eval.tools import eval_multi_turn, final_texts, generate_with_tools, tool_report
 from dsv4rl.reward.graders import DEFAULT_MAX_ERROR_FRACTION, Graded, Grader, get_grader, grade_responses
 from dsv4rl.rollout.generate import generate_samples
 from dsv4rl.rollout.types import Sample
@@ -118,26 +119,37 @@ def evaluate_on_engines(
     event_loop: asyncio.AbstractEventLoop,
     seed: int | None,
 ) -> dict[str, Any]:
-    """`cfg.eval.samples_per_problem` samples of every problem from the engines, graded and scored."""
+    """`cfg.eval.samples_per_problem` samples of every problem from the engines, graded and scored; with
+    `rollout.mode` tools / env, trajectories with the recipe's tools, the last turn graded (eval.tools)."""
     e = cfg.eval
-    renderer = PromptRenderer(tokenizer, eval_chat_settings(cfg))
+    multi = eval_multi_turn(cfg, tokenizer)
+    renderer = multi.renderer if multi is not None else PromptRenderer(tokenizer, eval_chat_settings(cfg))
     start = time.monotonic()
-    samples = event_loop.run_until_complete(
-        generate_samples(
-            clients, problems, tokenizer, e.samples_per_problem, e.sampling, seed=seed, renderer=renderer
+    if multi is not None:
+        samples = generate_with_tools(multi, clients, problems, e.samples_per_problem, event_loop, seed)
+    else:
+        samples = event_loop.run_until_complete(
+            generate_samples(
+                clients, problems, tokenizer, e.samples_per_problem, e.sampling, seed=seed, renderer=renderer
+            )
         )
-    )
     generate_s = time.monotonic() - start
     by_problem = [
         samples[i * e.samples_per_problem : (i + 1) * e.samples_per_problem] for i in range(len(problems))
     ]
     responses = [[s.response_text for s in group] for group in by_problem]
-    answer_parts, split = None, {}
+    finals = [final_texts(renderer, group) for group in by_problem]  # single turn: the responses
+    answer_parts, split = (finals if multi is not None else None), {}
     if renderer.settings.format == ChatFormat.deepseek_v4:  # graders read the answer part
         parser = ResponseParser(renderer)
-        parts = [[parser.parse(s.response_ids, s.response_text) for s in group] for group in by_problem]
+        parts = [
+            [parser.parse(s.final_turn_ids, text) for s, text in zip(group, texts, strict=True)]
+            for group, texts in zip(by_problem, finals, strict=True)
+        ]
         answer_parts = [[part.answer for part in group] for group in parts]
         split = response_split_metrics([part for group in parts for part in group])
+    if multi is not None:
+        split = {**split, "rollout_mode": cfg.rollout.mode.value, **tool_report(samples)}
     results, grade_s, graded = grade_results(
         problems, responses, grader, by_problem, cfg.reward.max_error_fraction, answer_parts
     )

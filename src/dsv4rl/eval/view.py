@@ -32,10 +32,18 @@ def render_eval(report: dict[str, Any], console: Console, report_path: str | Non
         ("no_answer_fraction", "thinking never closed (no answer)"),  # chat_format=deepseek_v4's split
         ("reasoning_len_mean", "mean reasoning tokens"),
         ("answer_len_mean", "mean answer tokens"),
+        ("calls_per_problem", "mean tool calls per sample"),  # rollout.mode tools / env (eval.tools)
+        ("turns_mean", "mean assistant turns"),
+        ("tool_errors_mean", "mean failed tool calls"),
+        ("tool_timeouts_mean", "mean timed-out tool calls"),
+        ("parse_errors_mean", "mean malformed calls"),
     )
     for key, label in numbers:
         if report.get(key) is not None:
             scores.add_row(label, f"{report[key]:.4g}")
+    finishes = {k.removeprefix("finish/"): v for k, v in report.items() if k.startswith("finish/") and v}
+    if finishes:
+        scores.add_row("finish reasons", ", ".join(f"{k} {v:.0%}" for k, v in finishes.items()))
     console.print(scores)
     rows = report["per_problem"]
     table = Table(title=f"per problem ({min(len(rows), PROBLEM_ROWS)} of {len(rows)})")

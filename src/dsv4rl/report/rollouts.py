@@ -4,7 +4,9 @@ With `run.save_rollouts: N` the trainer writes every N-th step's samples to
 `<run.dir>/rollouts/step_<step, 8 digits>.jsonl`, one JSON object per sample (`FIELDS`).
 `dsv4rl rollouts RUN_DIR [--step N] [--n K] [--sort reward|length] [--json]` reads them back: the best and
 the worst samples of a step (by total reward, or the longest and shortest), their prompt and response, and
-each function's result; `dsv4rl report` lists the steps there are.
+each function's result; `dsv4rl report` lists the steps there are. A multi-turn record (`rollout.mode` tools /
+env) also has `TRAJECTORY_FIELDS`; its response is shown turn by turn, inserted spans marked
+(`dsv4rl.report.turns_view`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from rich.table import Table
 
 from dsv4rl.config.schema import RolloutSort
 from dsv4rl.report.metrics_table import ReportError
+from dsv4rl.report.turns_view import add_turn_rows, turns_summary
 
 ROLLOUTS_DIR = "rollouts"
 _STEP_FILE = re.compile(r"step_(\d+)\.jsonl")
@@ -31,6 +34,8 @@ FIELDS = (
     "response_ids", "logprobs", "finish_reason", "ground_truth", "rewards", "reward", "excluded", "trained",
     "advantage", "weight_version",
 )  # fmt: skip
+# What a multi-turn record adds (dsv4rl.train.trajectory_records)
+TRAJECTORY_FIELDS = ("turns", "loss_mask", "tool_calls", "tool_errors", "tool_timeouts", "parse_errors")
 
 
 def rollouts_file(run_dir: str | Path, step: int) -> Path:
@@ -114,7 +119,11 @@ def render_rollouts(step: int, top: list[dict], bottom: list[dict], sort: Rollou
             table.add_row("prompt", escape(str(record.get("prompt", ""))[:width]))
             if record.get("reasoning"):
                 table.add_row("reasoning", escape(record["reasoning"][:width]))
-            table.add_row("response", escape(str(record.get("response", ""))[:width]))
+            if record.get("turns"):
+                table.add_row("trajectory", turns_summary(record))
+                add_turn_rows(table, record, width)
+            else:
+                table.add_row("response", escape(str(record.get("response", ""))[:width]))
             table.add_row("reference", escape(str(record.get("ground_truth", ""))))
             for name, result in (record.get("rewards") or {}).items():
                 table.add_row(f"  {name}", escape(_fn_cell(result)))

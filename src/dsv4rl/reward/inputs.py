@@ -28,6 +28,11 @@ class RewardInput:
       of the data row, nested columns kept (`sample.metadata["tests"]`).
     - `step`: the training step; `index`: the sample's place in the step's batch; `group`: its prompt's
       place (samples of one prompt share it); `problem_id`: the row's id.
+    - Multi-turn (`rollout.mode` tools / env): `response` is the whole trajectory's text (tool results
+      included), `answer` / `reasoning` the last assistant turn's; `conversation` the chat messages of the
+      whole trajectory; `turns` the assistant turns; `tool_calls` the calls made; `tool_rewards` what the
+      tools or the environment gave each turn that gave something; `finish_reason` also "max_turns" or
+      "tool_budget".
     """
 
     prompt: str
@@ -44,10 +49,14 @@ class RewardInput:
     index: int = 0
     group: int = 0
     problem_id: str = ""
+    conversation: list[dict[str, Any]] | None = None
+    turns: int = 1
+    tool_calls: int = 0
+    tool_rewards: list[float] = field(default_factory=list)
 
     @property
     def truncated(self) -> bool:
-        """Cut off by the token cap (`algo.sampling.max_new_tokens`)."""
+        """Cut off by a token cap (`algo.sampling.max_new_tokens`, or a multi-turn token budget)."""
         return self.finish_reason == "length"
 
     def to_json(self) -> dict[str, Any]:

@@ -2,9 +2,44 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+
+
+@dataclass
+class TurnRecord:
+    """One assistant turn of a multi-turn trajectory, in response coordinates (0 = the first token after
+    the prompt): the model's tokens are `[start, end)`, what the template inserted after them (tool
+    results, the next turn's opening) `[end, inserted_end)`, with loss mask 0."""
+
+    start: int
+    end: int
+    inserted_end: int
+    finish_reason: str  # the engine's, for this turn
+    calls: list[dict[str, Any]] = field(default_factory=list)  # each call: name, arguments, result, ...
+    reward: float | None = None  # what the tools / environment gave this turn
+
+
+@dataclass
+class Trajectory:
+    """What a multi-turn rollout (`rollout.mode` tools or env) adds to a sample."""
+
+    turns: list[TurnRecord]
+    messages: list[dict[str, Any]]  # the conversation, the last assistant turn included
+    tool_calls: int = 0
+    parse_errors: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    tool_time_s: float = 0.0
+    tito_mismatches: int = 0  # renders that were not append-only
+    retokenized_turns: int = 0  # turns whose rendered tokens differ from the sampled ones (kept as sampled)
+    metrics: dict[str, float] = field(default_factory=dict)  # the tools' / environment's own numbers
+
+    @property
+    def tool_rewards(self) -> list[float]:
+        return [turn.reward for turn in self.turns if turn.reward is not None]
 
 
 @dataclass
@@ -14,7 +49,7 @@ class Sample:
     response_ids: list[int]
     rollout_logprobs: list[float]  # one per response token, as the engine sampled it
     response_text: str
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort"; multi-turn also "max_turns" | "tool_budget"
     answer: str = ""
     reward: float = 0.0
     advantage: float = 0.0
@@ -25,6 +60,23 @@ class Sample:
     # index_topk]; the trainer reshapes them with the model's config.
     routed_experts: np.ndarray | None = None
     indexer_topk: np.ndarray | None = None
+    # Multi-turn (rollout.mode tools / env): 1.0 on the model's own tokens, 0.0 on what the template
+    # inserted (tool results, turn tokens); None: every response token is the model's (single turn).
+    loss_mask: list[float] | None = None
+    trajectory: Trajectory | None = None
+
+    @property
+    def generated_tokens(self) -> int:
+        """The model's own tokens (the trajectory's length minus what was inserted)."""
+        return len(self.response_ids) if self.loss_mask is None else int(sum(self.loss_mask))
+
+    @property
+    def final_turn_ids(self) -> list[int]:
+        """The last assistant turn's tokens (the whole response in a single turn): what carries the answer."""
+        if self.trajectory is None or not self.trajectory.turns:
+            return self.response_ids
+        last = self.trajectory.turns[-1]
+        return self.response_ids[last.start : last.end]
 
     @property
     def truncated(self) -> bool:

@@ -24,7 +24,7 @@ PER_POSITION = ("routed_experts", "indexer_topk")  # [B, T, width]: one row per 
 @dataclass
 class TrainBatch:
     input_ids: Tensor  # [B, T] long, right-padded with the pad id
-    loss_mask: Tensor  # [B, T-1] float: 1.0 where the target is a response token
+    loss_mask: Tensor  # [B, T-1] float: 1.0 where the target is a token the model sampled
     advantages: Tensor  # [B] float
     rollout_logprobs: Tensor  # [B, T-1] float: the engine's logprobs of response targets, 0 elsewhere
     old_logprobs: Tensor | None = None  # [B, T-1]: the trainer's logprobs before the update
@@ -76,7 +76,10 @@ class TrainBatch:
             after = length - p - r
             ids.append(s.prompt_ids + s.response_ids + [pad_id] * after)
             on = 0.0 if s.excluded else 1.0  # a sample without a reward carries no loss
-            mask.append([0.0] * (p - 1) + [on] * r + [0.0] * after)
+            own = [on] * r if s.loss_mask is None else [on * m for m in s.loss_mask]  # 0: inserted tokens
+            if len(own) != r:
+                raise ValueError(f"sample {i} has {r} response tokens but a loss mask of {len(own)}")
+            mask.append([0.0] * (p - 1) + own + [0.0] * after)
             rollout.append([0.0] * (p - 1) + list(s.rollout_logprobs) + [0.0] * after)
         return cls(
             torch.tensor(ids, dtype=torch.long),

@@ -40,6 +40,8 @@ from dsv4rl.reward.combine import combine, grader_counts
 from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.colocated import KV_AND_GRAPHS, ColocatedEngines
+from dsv4rl.rollout.multi_turn import MultiTurn
+from dsv4rl.rollout.trajectory import trajectory_metrics
 from dsv4rl.rollout.types import Sample
 from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.sync.verify import SyncVerifier
@@ -72,6 +74,7 @@ class Driver:
     colocated: ColocatedEngines | None = None  # parallel.colocate: the engines' memory around training
     renderer: PromptRenderer | None = None  # data.chat_format: problems -> the prompt ids sent
     parser: ResponseParser | None = None  # data.chat_format: responses -> reasoning and answer
+    multi_turn: MultiTurn | None = None  # rollout.mode tools / env: trajectories with tool calls
 
 
 def shape_rewards(cfg: Config, samples: list[Sample], rewards: list[float]) -> torch.Tensor:
@@ -333,20 +336,22 @@ class RLLoop:
         metrics = {
             "reward_mean": reward_tensor.mean().item(),
             "reward_std": reward_tensor.std().item() if len(trained) > 1 else 0.0,
-            "response_len_mean": float(np.mean(lengths)),
+            "response_len_mean": float(np.mean(lengths)),  # multi-turn: the trajectory, inserted tokens too
             "truncated_fraction": sum(s.truncated for s in every) / len(every),
             "samples": len(every),
             "samples_trained": len(kept),
             **grader_counts(step_rewards.metrics, driver.rewards.specs),
             **step_rewards.metrics,  # reward/<name>/score and counts, reward_excluded
             **(response_split_metrics(all_parts) if all_parts else {}),
+            **trajectory_metrics(every),  # tool/*, turns_mean, finish/*, masked_token_fraction
             # the weights this batch trains are version step - 1: how far behind they were generated
             **staleness([s.weight_version for s in kept], step - 1),
         }
         if background:
             metrics.update({f"time_{name}_s": seconds for name, seconds in timer.seconds.items()})
         if saves_rollouts(self.cfg.run.save_rollouts, step):
-            write_rollouts(self.run_dir, step, every, prompts, outcomes, all_parts or None, kept)
+            decode = driver.multi_turn.runner.format.decode if driver.multi_turn is not None else None
+            write_rollouts(self.run_dir, step, every, prompts, outcomes, all_parts or None, kept, decode)
         return batch, metrics
 
     def fit_to_data_parallel(self, samples: list[Sample]) -> list[Sample]:

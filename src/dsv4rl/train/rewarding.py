@@ -23,6 +23,7 @@ from dsv4rl.reward.results import Outcome
 from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.rollout.choices import ChoiceRequest
 from dsv4rl.rollout.generate import generate_samples, rollout_seed
+from dsv4rl.rollout.trajectory import final_turn_text, generate_trajectories
 from dsv4rl.rollout.types import Sample
 
 # /generate calls per engine when scoring overlaps generation: groups come back in this many waves
@@ -39,16 +40,20 @@ def reward_inputs(
     step: int,
     first_index: int,
     chat: bool,
+    final_texts: Sequence[str] = (),
 ) -> list[RewardInput]:
-    """The `RewardInput`s of one prompt's samples (`first_index`: the first one's index in the step)."""
+    """The `RewardInput`s of one prompt's samples (`first_index`: the first one's index in the step;
+    `final_texts`: each multi-turn sample's last turn as text, its answer without a chat format)."""
     out = []
     for offset, sample in enumerate(samples):
         part = parts[offset] if parts is not None else None
+        trajectory = sample.trajectory
+        whole = sample.response_text if trajectory is None else final_texts[offset]
         out.append(
             RewardInput(
                 prompt=problem.prompt,
                 response=sample.response_text,
-                answer=part.answer if part is not None else sample.response_text,
+                answer=part.answer if part is not None else whole,
                 reasoning=part.reasoning if part is not None else "",
                 ground_truth=problem.answer,
                 metadata=dict(problem.metadata),
@@ -60,6 +65,10 @@ def reward_inputs(
                 index=first_index + offset,
                 group=sample.group,
                 problem_id=problem.id,
+                conversation=None if trajectory is None else list(trajectory.messages),
+                turns=1 if trajectory is None else len(trajectory.turns),
+                tool_calls=0 if trajectory is None else trajectory.tool_calls,
+                tool_rewards=[] if trajectory is None else trajectory.tool_rewards,
             )
         )
     return out
@@ -105,29 +114,38 @@ async def generate_and_score(
 
     def on_group(group: int, samples: list[Sample]) -> None:
         first_back.append(time.monotonic())
+        finals = [final_turn_text(driver.tokenizer, s) for s in samples]
         split = (
-            [parser.parse(s.response_ids, s.response_text) for s in samples] if parser is not None else None
+            [parser.parse(s.final_turn_ids, text) for s, text in zip(samples, finals, strict=True)]
+            if parser is not None
+            else None
         )
         parts[group] = split
         inputs = reward_inputs(
-            problems[group], samples, split, step, first_index + group * len(samples), chat
+            problems[group], samples, split, step, first_index + group * len(samples), chat, finals
         )
         tasks[group] = asyncio.ensure_future(rewards.score_group(inputs))
 
     started = time.monotonic()
+    seed = rollout_seed(cfg.seed, step, attempt) if cfg.engine.reproducible_sampling else None
     try:
-        samples = await generate_samples(
-            driver.clients,
-            problems,
-            driver.tokenizer,
-            algo.group_size,
-            algo.sampling,
-            seed=rollout_seed(cfg.seed, step, attempt) if cfg.engine.reproducible_sampling else None,
-            renderer=driver.renderer,
-            choices=ChoiceRequest(algo.routing_replay, algo.indexer_replay),
-            on_group=on_group,
-            requests_per_engine=calls_per_engine or calls_for(rewards),
-        )
+        if driver.multi_turn is not None:
+            samples = await generate_trajectories(
+                driver.clients, problems, driver.multi_turn.runner, algo.group_size, seed, on_group
+            )
+        else:
+            samples = await generate_samples(
+                driver.clients,
+                problems,
+                driver.tokenizer,
+                algo.group_size,
+                algo.sampling,
+                seed=seed,
+                renderer=driver.renderer,
+                choices=ChoiceRequest(algo.routing_replay, algo.indexer_replay),
+                on_group=on_group,
+                requests_per_engine=calls_per_engine or calls_for(rewards),
+            )
         generated = time.monotonic()
         scored = await asyncio.gather(*(tasks[group] for group in sorted(tasks)))
     except BaseException:

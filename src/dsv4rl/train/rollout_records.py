@@ -3,7 +3,9 @@
 One JSON object per generated sample (dynamic sampling's dropped groups included, `trained: false`): the
 prompt and its ids, the response, its reasoning and answer, its ids and the engine's log-probs, the finish
 reason, the reference answer, each reward function's result and the total, the advantage it trained with,
-and the weights that generated it. Read back by `dsv4rl rollouts` (`dsv4rl.report.rollouts`).
+and the weights that generated it. A multi-turn sample (`rollout.mode` tools / env) also carries its turns,
+its loss mask and its tool counts (`dsv4rl.train.trajectory_records`). Read back by `dsv4rl rollouts`
+(`dsv4rl.report.rollouts`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dsv4rl.faults.files import write_text_atomic
 from dsv4rl.report.rollouts import rollouts_file
 from dsv4rl.reward.results import Outcome
 from dsv4rl.rollout.types import Sample
+from dsv4rl.train.trajectory_records import Decode, trajectory_fields
 
 
 def saves_rollouts(every: int, step: int) -> bool:
@@ -31,12 +34,16 @@ def rollout_records(
     parts: Sequence[ResponseParts] | None,
     trained: Sequence[Sample],
     step: int,
+    decode: Decode | None = None,
 ) -> list[dict]:
-    """The records of a step's samples (`dsv4rl.report.rollouts.FIELDS`)."""
+    """The records of a step's samples (`dsv4rl.report.rollouts.FIELDS`, and `TRAJECTORY_FIELDS` for a
+    multi-turn sample; `decode`: the tokenizer's, for each turn's exact text)."""
     kept = {id(sample) for sample in trained}
     records = []
     for index, (sample, problem, per_fn) in enumerate(zip(samples, problems, outcomes, strict=True)):
         part = parts[index] if parts is not None else None
+        turns = trajectory_fields(sample, decode)  # {} for a single-turn sample
+        whole = turns["turns"][-1]["text"] if turns.get("turns") else sample.response_text  # the last turn
         records.append(
             {
                 "step": step,
@@ -47,7 +54,7 @@ def rollout_records(
                 "prompt_ids": list(sample.prompt_ids),
                 "response": sample.response_text,
                 "reasoning": part.reasoning if part is not None else "",
-                "answer": part.answer if part is not None else sample.response_text,
+                "answer": part.answer if part is not None else whole,
                 "response_ids": list(sample.response_ids),
                 "logprobs": list(sample.rollout_logprobs),
                 "finish_reason": sample.finish_reason,
@@ -58,6 +65,7 @@ def rollout_records(
                 "trained": id(sample) in kept,
                 "advantage": sample.advantage if id(sample) in kept else None,
                 "weight_version": sample.weight_version,
+                **turns,
             }
         )
     return records
@@ -71,10 +79,11 @@ def write_rollouts(
     outcomes: Sequence[dict[str, Outcome]],
     parts: Sequence[ResponseParts] | None,
     trained: Sequence[Sample],
+    decode: Decode | None = None,
 ) -> Path:
     """Write the step's records at once (a reader never sees half a file)."""
     path = rollouts_file(run_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    records = rollout_records(samples, problems, outcomes, parts, trained, step)
+    records = rollout_records(samples, problems, outcomes, parts, trained, step, decode)
     write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), durable=False)
     return path

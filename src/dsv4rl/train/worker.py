@@ -40,6 +40,7 @@ from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.colocated import ColocatedEngines
 from dsv4rl.rollout.engines import engine_clients, freeze_engines_gc, wait_for_engines
+from dsv4rl.rollout.multi_turn import build_multi_turn
 from dsv4rl.sync.served_format import check_served_formats
 from dsv4rl.sync.served_model import check_served_models
 from dsv4rl.sync.stages import StagedWeightSync
@@ -69,7 +70,12 @@ def build_driver(
 ) -> Driver:
     # The tiny model builds its tokenizer; a model directory carries its own.
     tokenizer = run_tokenizer(cfg.model)
-    renderer = PromptRenderer(tokenizer, data_chat_settings(cfg.data))
+    multi_turn = build_multi_turn(cfg, tokenizer, data_chat_settings(cfg.data), reward_base_dirs(cfg))
+    renderer = (
+        multi_turn.renderer
+        if multi_turn is not None
+        else PromptRenderer(tokenizer, data_chat_settings(cfg.data))
+    )
     rewards = RewardSet.from_config(cfg.reward, reward_base_dirs(cfg))
     event_loop.run_until_complete(rewards.start())  # the reward workers import the user's modules now
     evaluator = None
@@ -87,6 +93,7 @@ def build_driver(
         colocated=ColocatedEngines(clients, event_loop) if cfg.parallel.colocate else None,
         renderer=renderer,
         parser=ResponseParser(renderer) if cfg.data.chat_format == ChatFormat.deepseek_v4 else None,
+        multi_turn=multi_turn,
     )
 
 

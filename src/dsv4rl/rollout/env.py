@@ -1,0 +1,206 @@
+"""What answers an assistant turn: an environment. Tools are the special case `ToolEnv` implements.
+
+An environment (`rollout.env: pkg.module:Class`, built with `rollout.env_kwargs`) has
+`async reset(sample) -> messages` (the conversation a trajectory starts from; or `EnvReset(messages,
+state)` to keep a state of its own) and `async step(state, assistant_message) -> EnvStep` (the messages
+that answer the turn, a reward for it, whether the trajectory is done). `state` is what reset kept, else
+the sample (the data row's `Problem`). An optional `async close(state)` runs on every path out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from dsv4rl.config.schema import MalformedCall, RolloutConfig, TruncateSide
+from dsv4rl.data.problems import Problem
+from dsv4rl.rollout.turn_format import AssistantTurn, ParsedCall, TurnFormat
+from dsv4rl.tools.base import Tool, ToolResult, as_tool_result, schema_problems
+
+
+@dataclass
+class EnvStep:
+    """An environment's answer to one assistant turn. `finish` names why a done trajectory ended
+    (`stop`, `tool_budget`, `abort`); `calls` are the tool calls' records (ToolEnv)."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    reward: float | None = None
+    done: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+    finish: str = "stop"
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class EnvReset:
+    messages: list[dict[str, Any]]
+    state: Any = None
+
+
+class Env(Protocol):
+    async def reset(self, sample: Problem) -> list[dict[str, Any]] | EnvReset: ...
+
+    async def step(self, state: Any, assistant_message: dict[str, Any]) -> EnvStep: ...
+
+
+def truncate_ids(ids: list[int], limit: int, side: TruncateSide) -> list[int]:
+    """At most `limit` ids: the beginning (`left`), the end (`right`), or both ends (`middle`)."""
+    if len(ids) <= limit:
+        return ids
+    if side == TruncateSide.left:
+        return ids[:limit]
+    if side == TruncateSide.right:
+        return ids[len(ids) - limit :]
+    head = (limit + 1) // 2
+    return ids[:head] + ids[len(ids) - (limit - head) :]
+
+
+@dataclass
+class ToolCounts:
+    """One trajectory's tool calls so far (`max_tool_calls`) and what they cost."""
+
+    calls: int = 0
+    parse_errors: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    time_s: float = 0.0
+
+
+@dataclass
+class ToolState:
+    sample: Problem
+    states: dict[str, Any]  # each tool's state for this trajectory
+    counts: ToolCounts = field(default_factory=ToolCounts)
+
+
+class ToolEnv:
+    """`rollout.mode=tools`: the calls of a turn are run (at most `max_parallel_calls` at once, and at
+    most `max_concurrent_tools` over all trajectories through `pool`), their results go back as tool
+    messages; a turn without calls is the final answer. Malformed calls never raise: their error is the
+    call's result (`on_malformed_call=feedback`) or ends the trajectory (`terminate`)."""
+
+    def __init__(
+        self,
+        tools: Sequence[Tool],
+        timeouts: dict[str, float],
+        rollout: RolloutConfig,
+        fmt: TurnFormat,
+        pool: asyncio.Semaphore,
+    ):
+        self.tools = {tool.name: tool for tool in tools}
+        self.timeouts = timeouts
+        self.cfg = rollout
+        self.format = fmt
+        self.pool = pool
+
+    async def reset(self, sample: Problem) -> EnvReset:
+        states: dict[str, Any] = {}
+        try:
+            for name, tool in self.tools.items():
+                states[name] = await tool.open(sample)
+        except BaseException:
+            await self._close(states)
+            raise
+        return EnvReset(self.format.initial_messages(sample), ToolState(sample, states))
+
+    async def close(self, state: ToolState) -> None:
+        await self._close(state.states)
+
+    async def _close(self, states: dict[str, Any]) -> None:
+        for name, value in states.items():
+            with contextlib.suppress(Exception):  # a failing close must not hide the trajectory
+                await self.tools[name].close(value)
+
+    async def step_turn(self, state: ToolState, turn: AssistantTurn) -> EnvStep:
+        if turn.parse_error is not None and not turn.calls:
+            state.counts.parse_errors += 1
+            if self.cfg.on_malformed_call == MalformedCall.terminate:
+                return EnvStep(done=True, finish="abort", metrics={"parse_error": 1.0})
+            return EnvStep(done=True)  # unreadable and nothing to answer: the turn is the final one
+        if not turn.calls:
+            return EnvStep(done=True)
+        counts = state.counts
+        if counts.calls + len(turn.calls) > self.cfg.max_tool_calls:
+            return EnvStep(done=True, finish="tool_budget")
+        raw = [c for c in turn.calls if c.error is None and c.args is None]
+        for call in raw:  # PlainFormat: the argument text goes to the one string parameter
+            call.args = self._plain_args(call)
+        for call in turn.calls:
+            if call.error is None:
+                problems = schema_problems(self.tools[call.name].schema, call.args)
+                if problems:
+                    call.error = "; ".join(problems)
+        bad = [c for c in turn.calls if c.error is not None]
+        counts.parse_errors += len(bad)
+        if bad and self.cfg.on_malformed_call == MalformedCall.terminate:
+            return EnvStep(done=True, finish="abort")
+        limit = asyncio.Semaphore(max(1, self.cfg.max_parallel_calls))
+        results = await asyncio.gather(*(self._run(state, call, limit) for call in turn.calls))
+        counts.calls += len(turn.calls)
+        messages, rewards, records, done = [], [], [], False
+        for call, (result, seconds) in zip(turn.calls, results, strict=True):
+            text = self._truncate(result.text)
+            messages.append(self.format.tool_message(call.id, text))
+            if result.reward is not None:
+                rewards.append(float(result.reward))
+            done = done or result.done
+            counts.errors += int(result.error and call.error is None)
+            counts.timeouts += int(result.timed_out)
+            counts.time_s += seconds
+            records.append(
+                {
+                    "id": call.id,
+                    "name": call.name,
+                    "arguments": call.arguments,
+                    "malformed": call.error is not None,
+                    "error": result.error,
+                    "timed_out": result.timed_out,
+                    "time_s": seconds,
+                    "result": text,
+                    **({"reward": result.reward} if result.reward is not None else {}),
+                }
+            )
+        metrics: dict[str, float] = {}
+        for result, _ in results:
+            for key, value in result.metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + float(value)
+        return EnvStep(messages, sum(rewards) if rewards else None, done, metrics, "stop", records)
+
+    def _plain_args(self, call: ParsedCall) -> dict[str, Any]:
+        params = self.tools[call.name].schema.get("parameters") or {}
+        strings = [k for k, v in (params.get("properties") or {}).items() if v.get("type") == "string"]
+        if not call.arguments:
+            return {}
+        return {strings[0]: call.arguments} if strings else {"input": call.arguments}
+
+    async def _run(
+        self, state: ToolState, call: ParsedCall, limit: asyncio.Semaphore
+    ) -> tuple[ToolResult, float]:
+        if call.error is not None:
+            return ToolResult(text=f"error: {call.error}", error=True), 0.0
+        async with limit, self.pool:
+            began = time.monotonic()
+            timeout = self.timeouts.get(call.name, 30.0)
+            try:
+                value = await asyncio.wait_for(
+                    self.tools[call.name].call(state.states[call.name], dict(call.args)), timeout
+                )
+                result = as_tool_result(value)
+            except TimeoutError:
+                result = ToolResult(
+                    text=f"error: the call timed out after {timeout:g} s", error=True, timed_out=True
+                )
+            except Exception as error:  # noqa: BLE001  (a tool's exception is the model's error result)
+                result = ToolResult(text=f"error: {type(error).__name__}: {error}", error=True)
+            return result, time.monotonic() - began
+
+    def _truncate(self, text: str) -> str:
+        ids = self.format.count_tokens(text)
+        limit = self.cfg.max_tool_output_tokens
+        if len(ids) <= limit:
+            return text
+        return self.format.decode(truncate_ids(ids, limit, self.cfg.truncate_side))

@@ -1,0 +1,183 @@
+"""What a tool is: a name, a JSON schema, and async open / call / close around one state per trajectory.
+
+A rollout in `rollout.mode=tools` opens every tool once per trajectory (`open(sample)`), calls it for each
+of the model's calls (`call(state, args)`), and closes it on every path out of the trajectory (an answer,
+a budget, an error, an abort, a shutdown). A plain function becomes a tool through `FunctionTool`, its
+schema derived from its signature and docstring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class ToolResult:
+    """What a call gives back: `text` goes to the model as the call's result; `reward` (optional) reaches
+    the reward functions as a per-turn reward (`RewardInput.tool_rewards`); `done` ends the trajectory
+    after this turn's results; `metrics` (numbers) are averaged into `tool/<name>/<key>`. `error` marks a
+    failed call (a raised exception, a timeout, a killed process): the model still sees `text`."""
+
+    text: str
+    reward: float | None = None
+    done: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: bool = False
+    timed_out: bool = False
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """A tool the model can call. `schema` is the OpenAI-style function schema
+    (`{"name", "description", "parameters": <JSON schema of the arguments>}`)."""
+
+    name: str
+    schema: dict[str, Any]
+
+    async def open(self, sample: Any) -> Any:
+        """The state of one trajectory (`sample`: the problem it answers)."""
+
+    async def call(self, state: Any, args: dict[str, Any]) -> ToolResult:
+        """Run one call; raising is allowed (the rollout turns it into an error result)."""
+
+    async def close(self, state: Any) -> None:
+        """Release the trajectory's state; called exactly once per `open`."""
+
+
+_JSON_TYPES: dict[Any, str] = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    list: "array",
+    dict: "object",
+}
+
+
+def _json_type(annotation: Any) -> dict[str, Any]:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _json_type(options[0]) if len(options) == 1 else {}
+    if origin is not None:
+        annotation = origin
+    name = _JSON_TYPES.get(annotation)
+    return {"type": name} if name else {}
+
+
+def _param_docs(doc: str) -> dict[str, str]:
+    """`name: text` lines of a docstring's Args section (Google style)."""
+    out, inside = {}, False
+    for line in doc.splitlines():
+        stripped = line.strip()
+        if stripped.lower() in ("args:", "arguments:", "parameters:"):
+            inside = True
+            continue
+        if inside:
+            if not stripped:
+                break
+            name, sep, text = stripped.partition(":")
+            if sep and name.split(" ")[0].isidentifier():
+                out[name.split(" ")[0]] = text.strip()
+    return out
+
+
+def function_schema(function: Callable[..., Any], name: str | None = None) -> dict[str, Any]:
+    """A function's tool schema: its name, the docstring's first paragraph as the description, one
+    property per parameter (typed from the annotation, described from the docstring's Args section),
+    parameters without a default required."""
+    signature = inspect.signature(function)
+    hints = typing.get_type_hints(function) if not isinstance(function, functools.partial) else {}
+    doc = inspect.getdoc(function) or ""
+    described = _param_docs(doc)
+    properties, required = {}, []
+    for param in signature.parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        prop = _json_type(hints.get(param.name, param.annotation))
+        if param.name in described:
+            prop["description"] = described[param.name]
+        properties[param.name] = prop
+        if param.default is param.empty:
+            required.append(param.name)
+    return {
+        "name": name or function.__name__,
+        "description": doc.split("\n\n")[0].replace("\n", " ").strip(),
+        "parameters": {"type": "object", "properties": properties, "required": required},
+    }
+
+
+class FunctionTool:
+    """A plain function (sync or async) as a stateless tool. It returns a string, a number, a dict with
+    `text` (and optionally `reward`, `done`, `metrics`) or a `ToolResult`; a sync function runs in a
+    thread so it never blocks the rollout's event loop."""
+
+    def __init__(self, function: Callable[..., Any], name: str | None = None, schema: dict | None = None):
+        self.function = function
+        self.schema = schema or function_schema(function, name)
+        self.name = name or self.schema["name"]
+
+    async def open(self, sample: Any) -> None:
+        return None
+
+    async def call(self, state: Any, args: dict[str, Any]) -> ToolResult:
+        if inspect.iscoroutinefunction(self.function):
+            value = await self.function(**args)
+        else:
+            value = await asyncio.to_thread(self.function, **args)
+        return as_tool_result(value)
+
+    async def close(self, state: Any) -> None:
+        return None
+
+
+def as_tool_result(value: Any) -> ToolResult:
+    """A tool's return value as a `ToolResult`."""
+    if isinstance(value, ToolResult):
+        return value
+    if isinstance(value, dict) and "text" in value:
+        return ToolResult(
+            text=str(value["text"]),
+            reward=value.get("reward"),
+            done=bool(value.get("done", False)),
+            metrics={k: float(v) for k, v in value.get("metrics", {}).items()},
+        )
+    return ToolResult(text=value if isinstance(value, str) else str(value))
+
+
+def schema_problems(schema: dict[str, Any], args: Any) -> list[str]:
+    """Why `args` does not fit the schema's parameters (objects, required keys, unknown keys, the JSON
+    types of properties); empty when it fits. Deliberately small: what a malformed call gets wrong."""
+    if not isinstance(args, dict):
+        return [f"arguments must be a JSON object, got {type(args).__name__}"]
+    params = schema.get("parameters") or {}
+    props: dict[str, Any] = params.get("properties") or {}
+    problems = [f"missing required argument {key!r}" for key in params.get("required", []) if key not in args]
+    if props and params.get("additionalProperties", False) is False:
+        problems += [
+            f"unknown argument {key!r} (known: {', '.join(props)})" for key in args if key not in props
+        ]
+    checks = {
+        "string": str,
+        "integer": int,
+        "number": (int, float),
+        "boolean": bool,
+        "array": list,
+        "object": dict,
+    }
+    for key, value in args.items():
+        expected = (props.get(key) or {}).get("type")
+        kind = checks.get(expected) if isinstance(expected, str) else None
+        if kind is None:
+            continue
+        wrong = not isinstance(value, kind) or (expected in ("integer", "number") and isinstance(value, bool))
+        if wrong:
+            problems.append(f"argument {key!r} must be {expected}, got {type(value).__name__}")
+    return problems

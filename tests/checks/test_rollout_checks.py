@@ -1,0 +1,59 @@
+"""`rollout` checked before anything starts (`dsv4rl.checks.rollout`): the mode against its tools or
+environment, the budgets, the format; the tools and the environment imported and built on this machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dsv4rl.checks.validate import validate
+from dsv4rl.config.compose import ConfigError, compose
+
+
+def problems(recipe: str, *overrides: str, check_paths: bool = True) -> list[str]:
+    try:
+        validate(compose(recipe, list(overrides)), check_paths=check_paths)
+    except ConfigError as error:
+        return error.problems
+    return []
+
+
+def test_the_tool_recipes_validate() -> None:
+    assert problems("tiny_tool") == []
+
+
+def test_a_mode_without_its_tools_or_environment() -> None:
+    assert any(
+        "rollout.mode=tools needs at least one tool" in p for p in problems("tiny_tool", "rollout.tools=[]")
+    )
+    found = problems("tiny_arith", "rollout.mode=env")
+    assert any("rollout.mode=env needs rollout.env=" in p for p in found), found
+
+
+def test_tools_set_but_a_single_turn_mode() -> None:
+    found = problems("tiny_tool", "rollout.mode=single_turn")
+    assert any("rollout.mode=single_turn runs neither" in p for p in found), found
+
+
+def test_budgets_that_cannot_hold() -> None:
+    found = problems(
+        "tiny_tool", "rollout.max_new_tokens_per_turn=16", "rollout.max_turns=0", "rollout.max_tool_calls=0"
+    )
+    assert any("rollout.max_total_tokens=4" in p and "max_new_tokens_per_turn" in p for p in found), found
+    assert any("rollout.max_turns must be >= 1" in p for p in found), found
+    assert any("rollout.max_tool_calls must be >= 1" in p for p in found), found
+
+
+def test_dsml_calls_refused_on_the_character_tokenizer() -> None:
+    found = problems("tiny_tool", "data.chat_format=deepseek_v4")
+    assert any("cannot spell" in p and "chat_format=none" in p for p in found), found
+
+
+def test_tools_and_environments_are_built_at_validation(tmp_path: Path) -> None:
+    found = problems("tiny_tool", "rollout.tools=[{target: 'builtin:no_such_tool'}]")
+    assert any("no builtin tool 'no_such_tool'" in p and "builtin:python" in p for p in found), found
+    env = tmp_path / "game.py"
+    env.write_text("class Game:\n    def reset(self, sample):\n        return []\n")
+    found = problems("tiny_arith", "rollout.mode=env", f"rollout.env={env}:Game")
+    assert any("rollout.env" in p and "async reset(sample) and async step" in p for p in found), found
+    # without the machine's paths nothing is imported
+    assert problems("tiny_tool", "rollout.tools=[{target: 'builtin:no_such_tool'}]", check_paths=False) == []
