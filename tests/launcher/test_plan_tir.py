@@ -58,6 +58,8 @@ def test_plan_all_nodes_matches_dapo_math() -> None:
     assert tir["memory"]["fits"] is True and tir["memory"] == dapo["memory"]
     assert [n["roles"] for n in tir["nodes"]] == [n["roles"] for n in dapo["nodes"]]
     assert tir["run_dir"].endswith("runs/dapo_math_tir")
+    assert tir["rollout"]["mode"] == "tools" and dapo["rollout"]["mode"] == "single_turn"
+    assert [tool["target"] for tool in tir["rollout"]["tools"]] == ["builtin:python"]
     # the tool block makes prompts longer: the step-time estimate counts it
     assert (
         tir["step_time"]["assumptions"]["mean_prompt_tokens"]

@@ -158,6 +158,7 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
         },
         "training": training_layout(cfg),
         "reward": reward_plan(cfg),
+        "rollout": rollout_plan(cfg),
         # per GPU against cluster.device, and the time of a step (dsv4rl.estimate; none on CPU)
         "memory": memory,
         "step_time": step_time_json(cfg),
@@ -209,6 +210,37 @@ def reward_plan(cfg: Config) -> dict[str, Any]:
         if judge.base_url
         else None,  # fmt: skip
     }
+
+
+def rollout_plan(cfg: Config) -> dict[str, Any]:
+    """How trajectories are generated: the mode, its tools or environment, the budgets (docs/agents.md)."""
+    r = cfg.rollout
+    return {
+        "mode": r.mode.value,
+        "tools": [{"target": t.target, "name": t.name, "timeout_s": t.timeout_s} for t in r.tools],
+        "env": r.env,
+        "max_turns": r.max_turns,
+        "max_tool_calls": r.max_tool_calls,
+        "max_new_tokens_per_turn": r.max_new_tokens_per_turn or cfg.algo.sampling.max_new_tokens,
+        "max_total_tokens": r.max_total_tokens,
+        "max_concurrent_tools": r.max_concurrent_tools,
+    }
+
+
+def _rollout_text(rollout: dict[str, Any]) -> str | None:
+    if rollout["mode"] == "single_turn":
+        return None
+    what = (
+        "tools "
+        + ", ".join(f"{t['name'] or t['target']} ({t['timeout_s']:g} s a call)" for t in rollout["tools"])
+        if rollout["mode"] == "tools"
+        else f"environment {rollout['env']}"
+    )
+    return (
+        f"rollout: {rollout['mode']} mode, {what}; a trajectory: at most {rollout['max_turns']} turn(s), "
+        f"{rollout['max_tool_calls']} call(s), {rollout['max_total_tokens']} tokens "
+        f"({rollout['max_new_tokens_per_turn']} a turn); {rollout['max_concurrent_tools']} calls in flight"
+    )
 
 
 def _reward_text(reward: dict[str, Any]) -> str:
@@ -343,6 +375,9 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     )
     console.print(_layout_text(plan["training"]))
     console.print(_reward_text(plan["reward"]), soft_wrap=True, highlight=False)
+    rollout = _rollout_text(plan["rollout"])
+    if rollout:
+        console.print(rollout, soft_wrap=True, highlight=False)
     render_memory(plan["memory"], console)
     render_step_time(plan["step_time"], console)
     for node in plan["nodes"]:
