@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from recipe_problems import recipe_problems
 
-from dsv4rl.checks.validate import validate
-from dsv4rl.config.compose import ConfigError, compose
+from dsv4rl.config.compose import compose
 from dsv4rl.config.schema import Config
 
 
 def problems(*overrides: str, recipe: str = "tiny_arith") -> list[str]:
-    try:
-        validate(compose(recipe, list(overrides)), check_paths=False)
-    except ConfigError as error:
-        return error.problems
-    return []
+    return recipe_problems(recipe, *overrides)
 
 
 def assert_problem(overrides: list[str], *fragments: str, recipe: str = "tiny_arith") -> None:

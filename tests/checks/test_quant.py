@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from recipe_problems import validation_problems as problems
 
 from dsv4rl.checks.validate import validate
 from dsv4rl.config.compose import ConfigError, compose
@@ -20,14 +21,6 @@ def dapo_base() -> Config:
 @pytest.fixture
 def dapo(dapo_base: Config) -> Config:
     return copy.deepcopy(dapo_base)
-
-
-def problems(cfg: Config, check_paths: bool = False) -> list[str]:
-    try:
-        validate(cfg, check_paths=check_paths)
-    except ConfigError as error:
-        return error.problems
-    return []
 
 
 @pytest.mark.parametrize("quant", ["none", "bf16", "fp8_rollout", "fp8_mxfp4"])

@@ -2,16 +2,7 @@
 
 from __future__ import annotations
 
-from dsv4rl.checks.validate import validate
-from dsv4rl.config.compose import ConfigError, compose
-
-
-def problems(recipe: str, *overrides: str) -> list[str]:
-    try:
-        validate(compose(recipe, list(overrides)), check_paths=False)
-    except ConfigError as error:
-        return error.problems
-    return []
+from recipe_problems import recipe_problems as problems
 
 
 def test_the_tiny_recipe_takes_both_replays() -> None:

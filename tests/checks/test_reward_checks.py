@@ -6,22 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from recipe_problems import recipe_problems
 from typer.testing import CliRunner
 
 import dsv4rl.launcher.run
-from dsv4rl.checks.validate import validate
 from dsv4rl.cli import app
-from dsv4rl.config.compose import ConfigError, compose
 
 FNS = Path(__file__).resolve().parents[1] / "reward" / "user_fns.py"
 
 
 def problems(*overrides: str, check_paths: bool = True) -> list[str]:
-    try:
-        validate(compose("tiny_arith", list(overrides)), check_paths=check_paths)
-    except ConfigError as error:
-        return error.problems
-    return []
+    return recipe_problems("tiny_arith", *overrides, check_paths=check_paths)
 
 
 def fns(*entries: str) -> str:

@@ -5,16 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsv4rl.checks.validate import validate
-from dsv4rl.config.compose import ConfigError, compose
+from recipe_problems import recipe_problems
 
 
 def problems(recipe: str, *overrides: str, check_paths: bool = True) -> list[str]:
-    try:
-        validate(compose(recipe, list(overrides)), check_paths=check_paths)
-    except ConfigError as error:
-        return error.problems
-    return []
+    return recipe_problems(recipe, *overrides, check_paths=check_paths)
 
 
 def test_the_tool_recipes_validate() -> None:

@@ -3,24 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from recipe_problems import recipe_problems as problems
 
 from dsv4rl.checks import sglang_families
 from dsv4rl.checks.sglang_families import FINDINGS, FamilyFinding, check_families
-from dsv4rl.checks.validate import validate
-from dsv4rl.config.compose import ConfigError, compose
+from dsv4rl.config.compose import compose
 from dsv4rl.config.schema import DeviceFamily, DeviceKind
 from dsv4rl.quant.sglang_moe import DEVICE_FAMILY
 
 REPLAY = ("algo.indexer_replay=true", "parallel.rollout.data_parallel=4")  # attention TP 1
 ROCM = [kind for kind, family in DEVICE_FAMILY.items() if family in (DeviceFamily.cdna3, DeviceFamily.cdna4)]
-
-
-def problems(recipe: str, *overrides: str) -> list[str]:
-    try:
-        validate(compose(recipe, list(overrides)), check_paths=False)
-    except ConfigError as error:
-        return error.problems
-    return []
 
 
 def family_problems(recipe: str, *overrides: str) -> list[str]:

@@ -30,15 +30,21 @@ echo "$*" >> "$FAKE_OUT/scontrol"
 """
 
 
-def test_preempt_sbatch_stops_the_run_on_usr1_and_requeues(tmp_path: Path) -> None:
-    text = SBATCH.read_text()
-    assert "#SBATCH --signal=B:USR1@1800" in text and "#SBATCH --requeue" in text
+def fake_slurm(tmp_path: Path, srun: str, scontrol: str) -> tuple[Path, Path]:
+    """`bin/` with the fake srun and scontrol scripts, and the `out/` directory they write to."""
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     out.mkdir()
-    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+    for name, body in (("srun", srun), ("scontrol", scontrol)):
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
+    return bin_dir, out
+
+
+def test_preempt_sbatch_stops_the_run_on_usr1_and_requeues(tmp_path: Path) -> None:
+    text = SBATCH.read_text()
+    assert "#SBATCH --signal=B:USR1@1800" in text and "#SBATCH --requeue" in text
+    bin_dir, out = fake_slurm(tmp_path, FAKE_SRUN, FAKE_SCONTROL)
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "HOME": str(tmp_path),
@@ -93,12 +99,7 @@ echo "$*" >> "$FAKE_OUT/scontrol"
 def run_failed_push_job(tmp_path: Path, requeue: str, **env_overrides: str) -> subprocess.CompletedProcess:
     """The script around an srun whose node 0 ended with a failed push (exit 76 and its record, as
     `dsv4rl.faults.failed_push` writes it); an earlier start's record lies in the run dir."""
-    bin_dir, out = tmp_path / "bin", tmp_path / "out"
-    bin_dir.mkdir()
-    out.mkdir()
-    for name, body in (("srun", FAKE_SRUN_FAILED_PUSH), ("scontrol", FAKE_SCONTROL_ANY)):
-        (bin_dir / name).write_text(body)
-        (bin_dir / name).chmod(0o755)
+    bin_dir, out = fake_slurm(tmp_path, FAKE_SRUN_FAILED_PUSH, FAKE_SCONTROL_ANY)
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "HOME": str(tmp_path),

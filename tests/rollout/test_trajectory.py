@@ -155,7 +155,7 @@ class LookupLike:
 def make_runner(tools=None, timeouts=None, sampling=None, choices=None, **rollout) -> TrajectoryRunner:
     tools = [LookupLike()] if tools is None else tools
     cfg = RolloutConfig(mode=RolloutMode.tools, **rollout)
-    fmt = PlainFormat(TOK, [tool.name for tool in tools])
+    fmt = PlainFormat(TOK, [tool.schema for tool in tools])
     timeouts = timeouts or {tool.name: 5.0 for tool in tools}
     env = ToolEnv(tools, timeouts, cfg, fmt, asyncio.Semaphore(cfg.max_concurrent_tools))
     return TrajectoryRunner(cfg, sampling or SamplingConfig(max_new_tokens=16), fmt, env, EOS, choices)

@@ -72,7 +72,6 @@ class ToolCounts:
 
 @dataclass
 class ToolState:
-    sample: Problem
     states: dict[str, Any]  # each tool's state for this trajectory
     counts: ToolCounts = field(default_factory=ToolCounts)
 
@@ -105,7 +104,7 @@ class ToolEnv:
         except BaseException:
             await self._close(states)
             raise
-        return EnvReset(self.format.initial_messages(sample), ToolState(sample, states))
+        return EnvReset(self.format.initial_messages(sample), ToolState(states))
 
     async def close(self, state: ToolState) -> None:
         await self._close(state.states)
@@ -126,9 +125,6 @@ class ToolEnv:
         counts = state.counts
         if counts.calls + len(turn.calls) > self.cfg.max_tool_calls:
             return EnvStep(done=True, finish="tool_budget")
-        raw = [c for c in turn.calls if c.error is None and c.args is None]
-        for call in raw:  # PlainFormat: the argument text goes to the one string parameter
-            call.args = self._plain_args(call)
         for call in turn.calls:
             if call.error is None:
                 problems = schema_problems(self.tools[call.name].schema, call.args)
@@ -169,13 +165,6 @@ class ToolEnv:
             for key, value in result.metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + float(value)
         return EnvStep(messages, sum(rewards) if rewards else None, done, metrics, "stop", records)
-
-    def _plain_args(self, call: ParsedCall) -> dict[str, Any]:
-        params = self.tools[call.name].schema.get("parameters") or {}
-        strings = [k for k, v in (params.get("properties") or {}).items() if v.get("type") == "string"]
-        if not call.arguments:
-            return {}
-        return {strings[0]: call.arguments} if strings else {"input": call.arguments}
 
     async def _run(
         self, state: ToolState, call: ParsedCall, limit: asyncio.Semaphore

@@ -60,7 +60,7 @@ def build_multi_turn(
         return None
     tools = build_tools(rollout.tools, base_dirs) if rollout.mode == RolloutMode.tools else []
     renderer = PromptRenderer(tokenizer, settings, tools=[tool.schema for tool in tools])
-    fmt = turn_format(renderer, [tool.name for tool in tools])
+    fmt = turn_format(renderer)
     if rollout.mode == RolloutMode.tools:
         timeouts = {tool.name: entry.timeout_s for tool, entry in zip(tools, rollout.tools, strict=True)}
         env = ToolEnv(tools, timeouts, rollout, fmt, asyncio.Semaphore(max(1, rollout.max_concurrent_tools)))

@@ -84,6 +84,9 @@ class TurnFormat(Protocol):
 
     def tool_message(self, call_id: str, text: str) -> dict[str, Any]: ...
 
+    def assistant_message(self, turn: AssistantTurn) -> dict[str, Any]:
+        """The turn as the message the next render is made from."""
+
     def count_tokens(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
@@ -98,6 +101,11 @@ class _Tokens:
         self.tokenizer = tokenizer
         self.eos_id = tokenizer.eos_token_id
 
+    def initial_messages(self, problem: Problem) -> list[dict[str, Any]]:
+        """The conversation a trajectory starts from: the problem as one user turn, as the prompt stream
+        renders it."""
+        return user_messages(problem.prompt)
+
     def count_tokens(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -111,14 +119,12 @@ class _Tokens:
 class PlainFormat(_Tokens):
     """chat_format none: BOS + the user's text, then turns as plain text (see the module doc)."""
 
-    def __init__(self, tokenizer: Any, tool_names: list[str]):
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]):
         super().__init__(tokenizer)
-        self.tool_names = tool_names
+        self.schemas = {schema["name"]: schema for schema in tools}  # the tools' function schemas
+        self.tool_names = list(self.schemas)
         marker = self.count_tokens(PLAIN_CALL)
         self.stop_ids = marker if len(marker) == 1 else []  # the marker ends a turn as EOS ends DSML's
-
-    def initial_messages(self, problem: Problem) -> list[dict[str, Any]]:
-        return user_messages(problem.prompt)
 
     def _text(self, message: dict[str, Any]) -> str:
         if message["role"] == "tool":
@@ -146,8 +152,19 @@ class PlainFormat(_Tokens):
         call = ParsedCall(_call_id(turn_index, 0), name, argument)
         if name not in self.tool_names:
             call.error = f"unknown tool {name!r}; tools: {', '.join(self.tool_names)}"
+        else:
+            call.args = self._args(self.schemas[name], argument)
         turn.calls = [call]
         return turn
+
+    @staticmethod
+    def _args(schema: dict[str, Any], argument: str) -> dict[str, Any]:
+        """The argument text as the call's arguments: the tool's first string parameter (or `input`)."""
+        if not argument:
+            return {}
+        properties = (schema.get("parameters") or {}).get("properties") or {}
+        strings = [key for key, prop in properties.items() if prop.get("type") == "string"]
+        return {strings[0] if strings else "input": argument}
 
     def assistant_end(self, rendered: list[int], start: int, turn: AssistantTurn) -> int:
         return start + len(self.count_tokens(turn.content)) + (1 if turn.ids[-1:] == [self.eos_id] else 0)
@@ -169,10 +186,6 @@ class DsmlFormat(_Tokens):
         self.stop_ids: list[int] = []  # a call block ends with EOS
         self.renderer = renderer
         self.tool_names = [schema["name"] for schema in renderer.tools]
-
-    def initial_messages(self, problem: Problem) -> list[dict[str, Any]]:
-        chat = problem.metadata.get("messages")
-        return [dict(m) for m in chat] if isinstance(chat, list) else user_messages(problem.prompt)
 
     def encode(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.renderer.encode_messages(messages)
@@ -238,8 +251,8 @@ class DsmlFormat(_Tokens):
         return turn.message()
 
 
-def turn_format(renderer: PromptRenderer, tool_names: list[str]) -> PlainFormat | DsmlFormat:
-    """The format of the recipe's chat format."""
+def turn_format(renderer: PromptRenderer) -> PlainFormat | DsmlFormat:
+    """The format of the recipe's chat format, for the tools the renderer carries."""
     if renderer.settings.format == ChatFormat.deepseek_v4:
         return DsmlFormat(renderer)
-    return PlainFormat(renderer.tokenizer, tool_names)
+    return PlainFormat(renderer.tokenizer, renderer.tools)
