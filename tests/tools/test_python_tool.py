@@ -11,12 +11,27 @@ import time
 import pytest
 
 from dsv4rl.tools.base import Tool
-from dsv4rl.tools.python_tool import PythonTool, python_tool_availability, truncate
+from dsv4rl.tools.python_tool import PythonTool, sandbox_facts, truncate
+from dsv4rl.tools.sandbox.isolation import IsolationUnavailable
 
-AVAILABLE = python_tool_availability()
-NAMESPACES = AVAILABLE["namespaces"]
+FACTS = sandbox_facts()
+NAMESPACES = FACTS.namespaces
 needs_namespaces = pytest.mark.skipif(not NAMESPACES, reason="namespaces do not work on this machine")
-ISOLATIONS = ["auto", "rlimits"]
+SYSTEM_PYTHON = "/usr/bin/python3"  # a uid of its own can read it (a pyenv under /root it cannot)
+
+
+def _isolations() -> list:
+    """(isolation, python) of each mode this machine accepts: the tests run in each."""
+    modes = [pytest.param("namespaces", None, id="namespaces", marks=needs_namespaces)]
+    landlock_python = SYSTEM_PYTHON if os.geteuid() == 0 and os.path.exists(SYSTEM_PYTHON) else None
+    facts = sandbox_facts(landlock_python) if landlock_python or os.geteuid() else None
+    works = facts is not None and facts.landlock_works
+    modes.append(pytest.param("landlock", landlock_python, id="landlock",
+                              marks=pytest.mark.skipif(not works, reason="landlock does not work here")))  # fmt: skip
+    return modes
+
+
+ISOLATIONS = _isolations()
 
 
 def run_calls(tool: PythonTool, *codes: str):
@@ -59,14 +74,14 @@ def test_schema_and_protocol():
     assert tool.name == "python" and tool.schema["name"] == "python"
     assert tool.schema["parameters"]["required"] == ["code"]
     assert tool.schema["parameters"]["properties"]["code"]["type"] == "string"
-    assert tool.isolation == ("namespaces" if NAMESPACES else "rlimits")
+    assert tool.isolation in ("namespaces", "landlock") and tool.describe().startswith(tool.isolation)
     with pytest.raises(ValueError):
         PythonTool(isolation="docker")
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
-def test_print_and_files_shared_within_a_trajectory(isolation):
-    tool = PythonTool(timeout_s=5, memory_mb=256, isolation=isolation)
+@pytest.mark.parametrize("isolation,python", ISOLATIONS)
+def test_print_and_files_shared_within_a_trajectory(isolation, python):
+    tool = PythonTool(timeout_s=5, memory_mb=256, isolation=isolation, python=python)
     (first, second, third), state = run_calls(
         tool,
         "print(6 * 7)\nopen('notes.txt', 'w').write('kept')",
@@ -147,9 +162,9 @@ def test_huge_allocation_is_refused():
     assert "MemoryError" in result.text and "memory limit 256 MB" in result.text
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
-def test_fork_bomb_is_stopped_without_leftovers(isolation):
-    tool = PythonTool(timeout_s=2, memory_mb=256, max_processes=16, isolation=isolation)
+@pytest.mark.parametrize("isolation,python", ISOLATIONS)
+def test_fork_bomb_is_stopped_without_leftovers(isolation, python):
+    tool = PythonTool(timeout_s=2, memory_mb=256, max_processes=16, isolation=isolation, python=python)
     start = time.monotonic()
 
     async def go():
@@ -202,8 +217,8 @@ def test_cancelled_call_leaves_no_processes():
     assert time.monotonic() - start < 5
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
-def test_files_outside_the_scratch_directory_are_not_readable(isolation):
+@pytest.mark.parametrize("isolation,python", ISOLATIONS)
+def test_files_outside_the_scratch_directory_are_not_readable(isolation, python):
     with tempfile.TemporaryDirectory() as other:
         secret = os.path.join(other, "secret.txt")
         with open(secret, "w") as f:
@@ -212,7 +227,9 @@ def test_files_outside_the_scratch_directory_are_not_readable(isolation):
         os.chmod(secret, 0o644)  # readable by anyone: only the sandbox keeps it out
         code = f"print(open({secret!r}).read())"
         (result, listing), _ = run_calls(
-            PythonTool(timeout_s=5, isolation=isolation), code, f"import os\nprint(os.listdir({other!r}))"
+            PythonTool(timeout_s=5, isolation=isolation, python=python),
+            code,
+            f"import os\nprint(os.listdir({other!r}))",
         )
     assert result.error and "the-secret-value" not in result.text
     assert "PermissionError" in result.text or "FileNotFoundError" in result.text
@@ -240,15 +257,15 @@ def listening_socket() -> socket.socket:
     return server
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
-def test_sockets_fail(isolation):
+@pytest.mark.parametrize("isolation,python", ISOLATIONS)
+def test_sockets_fail(isolation, python):
     server = listening_socket()
     port = server.getsockname()[1]
     try:
         code = (
             f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')"
         )
-        (result,), _ = run_calls(PythonTool(timeout_s=5, isolation=isolation), code)
+        (result,), _ = run_calls(PythonTool(timeout_s=5, isolation=isolation, python=python), code)
         with pytest.raises(BlockingIOError):
             server.accept()
     finally:
@@ -258,7 +275,7 @@ def test_sockets_fail(isolation):
 
 
 @needs_namespaces
-def test_net_namespace_blocks_sockets_even_without_the_audit_hook():
+def test_net_namespace_and_seccomp_block_sockets_even_without_the_audit_hook():
     server = listening_socket()
     port = server.getsockname()[1]
     child = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=1); print('connected')"
@@ -273,7 +290,7 @@ def test_net_namespace_blocks_sockets_even_without_the_audit_hook():
             server.accept()
     finally:
         server.close()
-    assert "rc 1" in result.text and "OSError" in result.text
+    assert "rc 1" in result.text and ("OSError" in result.text or "PermissionError" in result.text)
 
 
 def test_output_is_truncated_keeping_head_and_tail():
@@ -321,11 +338,14 @@ def test_concurrent_calls_do_not_block_the_event_loop():
     assert ticks > 0.5 * elapsed / 0.01, f"the event loop was blocked ({ticks} ticks in {elapsed:.1f} s)"
 
 
-def test_namespaces_isolation_is_refused_where_unavailable():
+def test_modes_are_refused_where_they_cannot_isolate():
     if NAMESPACES:
         assert PythonTool(isolation="namespaces").isolation == "namespaces"
     else:
-        with pytest.raises(RuntimeError, match="namespaces"):
+        with pytest.raises(IsolationUnavailable, match="namespaces"):
             PythonTool(isolation="namespaces")
-    assert PythonTool(isolation="rlimits").isolation == "rlimits"
-    assert set(AVAILABLE) >= {"root", "namespaces", "isolation", "layers"}
+    with pytest.raises(IsolationUnavailable, match="trust_model_code: true"):
+        PythonTool(isolation="rlimits")
+    if os.geteuid() == 0 and not FACTS.rlimits_works:  # the uid of its own cannot read this interpreter
+        with pytest.raises(IsolationUnavailable, match="must be able to read"):
+            PythonTool(isolation="rlimits", trust_model_code=True)

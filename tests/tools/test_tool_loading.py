@@ -127,10 +127,16 @@ def error_of(entries: list[ToolConfig], base: Path) -> str:
 
 
 def test_builtin_python_with_kwargs(base):
-    tool = one("builtin:python", base, kwargs={"timeout_s": 3, "isolation": "rlimits"})
+    tool = one("builtin:python", base, kwargs={"timeout_s": 3, "isolation": "auto"})
     assert isinstance(tool, PythonTool) and isinstance(tool, Tool)
     assert tool.name == "python" and tool.schema["name"] == "python"
     assert tool.timeout_s == 3.0 and "3 s" in tool.schema["description"]
+
+
+def test_untrusted_rlimits_is_refused_at_validation_with_the_fix(base):
+    entry = ToolConfig(target="builtin:python", kwargs={"isolation": "rlimits"})
+    message = error_of([entry], base)
+    assert "isolation=rlimits" in message and "trust_model_code: true" in message
 
 
 def test_builtin_lookup_renamed(base):
@@ -268,7 +274,7 @@ def test_class_whose_constructor_raises(base):
 
 def test_builtin_with_a_bad_kwarg_value(base):
     message = error_of([ToolConfig(target="builtin:python", kwargs={"isolation": "docker"})], base)
-    assert "isolation='docker' is unknown; choose one of auto, namespaces, rlimits" in message
+    assert "isolation='docker' is unknown; choose one of auto, namespaces, landlock, remote, rlimits" in message
     assert "builtin:python" in message
 
 

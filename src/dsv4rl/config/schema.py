@@ -268,11 +268,14 @@ class TruncateSide(Choice):
 
 
 class SandboxIsolation(Choice):
-    """What isolates `builtin:python`'s code (its `isolation` kwarg; docs/agents.md)."""
+    """What isolates `builtin:python`'s code (its `isolation` kwarg; docs/agents.md says what each mode
+    guarantees). Decided at validation; a mode that cannot give its guarantees here is refused."""
 
-    auto = "auto"  # namespaces where this machine allows them, else rlimits
-    namespaces = "namespaces"  # required: refused where unshare does not work
-    rlimits = "rlimits"  # rlimits, the timeout and the audit hook only
+    auto = "auto"  # namespaces where they work, else landlock; refused where neither gives every guarantee
+    namespaces = "namespaces"  # net, mount and pid namespaces (unshare), a uid of its own, a cgroup per call
+    landlock = "landlock"  # Landlock + seccomp + a uid of its own (root) or Landlock scoping, a cgroup per call
+    remote = "remote"  # a SandboxFusion service over HTTP (its `remote` kwarg): the service isolates
+    rlimits = "rlimits"  # limits and cleanup only: needs trust_model_code=true
 
 
 class RewardOnError(Choice):

@@ -2,35 +2,15 @@
 
 One trajectory owns one scratch directory (`open` makes it, `close` removes it): it is the code's working
 directory, HOME and TMPDIR, so files persist between the calls of a trajectory, variables do not (each
-call is a new `python -I` process: no user site-packages, no PYTHON* variables, a minimal environment
-without the trainer's secrets; the interpreter's own packages, e.g. a venv's numpy, stay importable).
+call is a new `python -I` process: no user site-packages, no PYTHON* variables, an environment with none
+of the trainer's variables; the interpreter's own packages, e.g. a venv's numpy, stay importable).
 
-What holds where (`python_tool_availability()` tells which case this machine is in):
-
-- Always: a wall-clock timeout after which the whole process group is SIGKILLed and reaped (the event
-  loop never blocks); RLIMIT_AS (`memory_mb`: a too big allocation raises MemoryError), RLIMIT_CPU
-  (`cpu_s`), RLIMIT_NPROC (`max_processes`), RLIMIT_FSIZE (64 MB a file), RLIMIT_NOFILE (256) and no core
-  files; no_new_privs; an audit hook that refuses `open` outside the scratch directory and the
-  interpreter, and non-AF_UNIX sockets. The hook gives the model a clear error but is no security
-  boundary (ctypes gets around it).
-- Run as root (as here): each trajectory gets its own unprivileged uid, so RLIMIT_NPROC applies (the
-  kernel never enforces it for uid 0), the host's files are guarded by their permissions as well, the code
-  cannot write outside the scratch directory and world-writable places, and every process of that uid
-  is killed after each call and at `close` (nothing outlives a call, even with setsid).
-- isolation="namespaces", or "auto" where `unshare` works (probed once per interpreter): a net namespace
-  (only a loopback that is down: no network at all), a pid namespace (killing its first process kills
-  every process of the call) and a mount namespace whose root is a read-only minimal tree (/usr, /bin,
-  /lib*, /etc, the interpreter's directories, a few /dev nodes, its own /proc, 64 MB tmpfs /tmp and
-  /dev/shm) with the scratch directory the only writable place on disk; the rest of the host's files
-  (/root, /home, /work, other /tmp entries) are absent. Not root: a user namespace instead, as its root
-  without any capability. Namespaces also lift the audit hook's ban on starting programs.
-- isolation="rlimits", or "auto" where namespaces do not work: no network or file isolation beyond the
-  audit hook (plus the separate uid when root); programs cannot be started through the `subprocess`/
-  `os.system` family (audit hook). Not root: RLIMIT_NPROC counts every process of the user, so keep
-  `max_processes` above what that user already runs, and a process that escapes the group with setsid
-  survives the kill.
-- Not enforced anywhere: disk usage of the scratch directory beyond 64 MB a file, and memory of tmpfs
-  files (64 MB each for /tmp and /dev/shm under namespaces).
+The isolation is decided once, when the tool is built (at validation): `isolation` auto | namespaces |
+landlock | remote | rlimits (tools/sandbox/isolation.py lists the guarantees and which layer gives each).
+`auto` takes namespaces, else landlock, and refuses where neither gives every guarantee; nothing falls
+back at run time. `rlimits` isolates nothing but limits and cleanup, and needs `trust_model_code: true`.
+A call whose sandbox cannot be set up raises (the rollout counts it as the tool's failure, not the
+model's); the model's own errors, timeouts and limits come back as error results it can read.
 """
 
 from __future__ import annotations
@@ -49,15 +29,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4rl.config.schema import SandboxIsolation, choice
-from dsv4rl.tools import sandbox
 from dsv4rl.tools.base import ToolResult
+from dsv4rl.tools.sandbox import probe as sandbox
+from dsv4rl.tools.sandbox.cgroups import CallCgroup, find_parent
+from dsv4rl.tools.sandbox.isolation import IsolationPlan, SandboxFacts, plan_isolation
+from dsv4rl.tools.sandbox.runner import SETUP_FAILED
+from dsv4rl.tools.sandbox.seccomp import seccomp_program
 
 _UID_BASE = 0x70000000  # trajectories' uids when run as root: _UID_BASE + a random 24-bit number
+_TERM_GRACE_S = 2.0  # after its deadline the runner gets this long to kill its descendants, then SIGKILL
 
 
-def python_tool_availability(python: str | None = None) -> dict[str, Any]:
-    """Which isolation layers the `python` tool gets on this machine (for the docs and `dsv4rl doctor`)."""
-    return dict(sandbox.probe(python or sys.executable))
+def sandbox_facts(python: str | None = None) -> SandboxFacts:
+    """What this node offers the `python` tool's sandbox (for `dsv4rl doctor` and `dsv4rl plan`)."""
+    return sandbox.probe(python or sys.executable)
 
 
 @dataclass
@@ -113,25 +98,32 @@ class PythonTool:
 
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 1024, cpu_s: float | None = None,
                  max_output_chars: int = 4096, max_processes: int = 64, isolation: str = "auto",
-                 python: str | None = None):  # fmt: skip
-        isolation = choice(SandboxIsolation, isolation, "the python tool's isolation")
+                 trust_model_code: bool = False, python: str | None = None):  # fmt: skip
+        requested = choice(SandboxIsolation, isolation, "the python tool's isolation")
         self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
         self.max_output_chars = int(max_output_chars)
         self.cpu_s = float(cpu_s if cpu_s is not None else timeout_s)
-        self.max_processes, self.python = int(max_processes), python or sys.executable
-        self.availability = sandbox.probe(self.python)
-        if isolation == SandboxIsolation.namespaces and not self.availability["namespaces"]:
-            raise RuntimeError("python tool: isolation='namespaces' but namespaces do not work here: "
-                               f"{self.availability.get('namespaces_error', '')}")  # fmt: skip
-        self.namespaces = isolation != SandboxIsolation.rlimits and self.availability["namespaces"]
-        self.isolation = "namespaces" if self.namespaces else "rlimits"
+        self.python = python or sys.executable
+        if self.timeout_s <= 0 or self.memory_mb < 16 or int(max_processes) < 1:
+            raise ValueError("python tool: timeout_s must be > 0, memory_mb >= 16 and max_processes >= 1 "
+                             f"(got {timeout_s}, {memory_mb}, {max_processes})")  # fmt: skip
+        self.facts = sandbox.probe(self.python)
+        self.plan: IsolationPlan = plan_isolation(self.facts, requested, bool(trust_model_code),
+                                                  int(max_processes))  # fmt: skip
+        self.isolation = str(self.plan.mode)
+        self.max_processes = self.plan.max_processes
+        self.cgroup_parent = find_parent()[0] if self.plan.use_cgroup else None
+        self.seccomp_bpf = seccomp_program(self.plan.allow_fork) if self.plan.use_seccomp else None
+        self.unshare = shutil.which("unshare")
+        network = "no network access" if self.isolation != "rlimits" else "network access is disabled"
         self.schema = {
             "name": "python",
             "description": (
                 "Run Python 3 code in a fresh, sandboxed interpreter and get its stdout and stderr back "
                 f"(at most {max_output_chars} characters). Print what you want to see. Variables do not "
-                "persist between calls; files written to the current directory do. No network access; "
-                f"limits: {self.timeout_s:g} s, {self.memory_mb} MB."
+                f"persist between calls; files written to the current directory do. {network.capitalize()}"
+                f"; limits: {self.timeout_s:g} s, {self.memory_mb} MB"
+                + ("; no subprocesses." if self.max_processes == 1 else ".")
             ),
             "parameters": {
                 "type": "object",
@@ -139,6 +131,10 @@ class PythonTool:
                 "required": ["code"],
             },
         }
+
+    def describe(self) -> str:
+        """The isolation as planned, for `dsv4rl plan` and the logs."""
+        return self.plan.describe()
 
     async def open(self, sample: Any) -> PythonState:
         path = tempfile.mkdtemp(prefix="dsv4rl-py-")
@@ -158,34 +154,50 @@ class PythonTool:
         if not isinstance(code, str):
             return ToolResult("error: the python tool takes one argument, 'code' (a string of Python code)",
                               error=True)  # fmt: skip
-        limits = {"memory_mb": self.memory_mb, "cpu_s": self.cpu_s, "max_processes": self.max_processes}
-        cfg = sandbox.base_config(state.path, self.python, self.namespaces, state.uid, **limits)
-        argv = sandbox.command(self.python, cfg, self.availability["unshare"])
+        cfg = sandbox.runner_config(
+            self.isolation, state.path, self.python, state.uid, memory_mb=self.memory_mb, cpu_s=self.cpu_s,
+            max_processes=self.max_processes, seccomp_bpf=self.seccomp_bpf,
+            landlock_abi=self.facts.landlock_abi,
+        )  # fmt: skip
+        argv = sandbox.command(self.python, cfg, self.unshare)
         start = time.monotonic()
         output = _Output(4 * self.max_output_chars + 16)
+        cgroup = None
+        if self.cgroup_parent is not None:
+            cgroup = CallCgroup(self.cgroup_parent, self.memory_mb, self.max_processes)
+            try:
+                cgroup.create()
+            except OSError as error:
+                cgroup.remove()
+                raise RuntimeError(f"python tool: the call's cgroup could not be made ({error}); the "
+                                   "sandbox does not run without it") from error  # fmt: skip
         state.active += 1
         try:
-            code_rc, timed_out = await self._run(argv, code, state, output)
+            code_rc, timed_out = await self._run(argv, code, state, output, cgroup)
+            memory_hit = cgroup is not None and code_rc != 0 and cgroup.memory_exceeded()
         finally:
             state.active -= 1
+            if cgroup is not None:
+                await asyncio.to_thread(cgroup.remove)
         elapsed = time.monotonic() - start
         text = output.text(self.max_output_chars)
+        if code_rc == SETUP_FAILED:
+            raise RuntimeError(f"python tool: the sandbox could not be set up ({self.isolation}): "
+                               f"{text.strip()[-300:]}")  # fmt: skip
         metrics = {"exit_code": float(code_rc), "time_s": elapsed}
         if code_rc == 0 and not timed_out:
             return ToolResult(text if text.strip() else "(no output)", metrics=metrics)
-        reason = self._reason(code_rc, timed_out, text)
+        reason = self._reason(code_rc, timed_out, text, memory_hit)
         timed_out = timed_out or code_rc == -signal.SIGXCPU
         text = f"{text.rstrip()}\n{reason}".lstrip()
         return ToolResult(text, metrics=metrics, error=True, timed_out=timed_out)
 
-    async def _run(self, argv: list[str], code: str, state: PythonState, output: _Output) -> tuple[int, bool]:
-        env = {"PATH": f"{os.path.dirname(self.python)}:/usr/local/bin:/usr/bin:/bin", "HOME": state.path,
-               "TMPDIR": state.path, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1",
-               "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2",
-               "MPLBACKEND": "Agg"}  # fmt: skip
+    async def _run(self, argv: list[str], code: str, state: PythonState, output: _Output,
+                   cgroup: CallCgroup | None) -> tuple[int, bool]:  # fmt: skip
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, cwd=state.path, env=env, start_new_session=True,
+            stderr=asyncio.subprocess.STDOUT, cwd=state.path, env=sandbox.sandbox_env(self.python, state.path),
+            start_new_session=True,
         )  # fmt: skip
 
         async def pump() -> None:
@@ -193,6 +205,8 @@ class PythonTool:
                 output.add(chunk)
 
         async def feed_and_wait() -> None:
+            if cgroup is not None:  # before the code arrives: the runner forks nothing until it has read it
+                cgroup.add(proc.pid)
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 proc.stdin.write(code.encode("utf-8", "surrogatepass"))
                 await proc.stdin.drain()
@@ -206,8 +220,15 @@ class PythonTool:
         except TimeoutError:
             timed_out = True
         finally:
+            if proc.returncode is None:  # the deadline (or a cancelled call): the runner kills its tree
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), _TERM_GRACE_S)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the call's whole process group, also after an exit
+            if cgroup is not None:
+                await asyncio.to_thread(cgroup.kill)
             if state.uid is not None and state.active == 1:  # no other call of this trajectory runs
                 await asyncio.to_thread(sandbox.kill_uid, state.uid)
             try:
@@ -220,11 +241,11 @@ class PythonTool:
             await proc.wait()
         return proc.returncode, timed_out
 
-    def _reason(self, code_rc: int, timed_out: bool, text: str) -> str:
+    def _reason(self, code_rc: int, timed_out: bool, text: str, memory_hit: bool) -> str:
         if timed_out:
             return f"error: timed out after {self.timeout_s:g} s (process killed)"
-        if code_rc == sandbox.SETUP_FAILED:
-            return "error: the sandbox could not be set up (not the code's fault)"
+        if memory_hit:
+            return f"error: killed (memory limit {self.memory_mb} MB over all its processes)"
         if code_rc == -signal.SIGXCPU:
             return f"error: killed (CPU time limit {self.cpu_s:g} s)"
         if code_rc == -signal.SIGKILL:

@@ -1,0 +1,160 @@
+"""The tool's side of the sandbox: the runner's command line and config, and the probe of what this node
+offers (each layer tried for real, once per interpreter, then cached)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+
+from dsv4rl.tools.sandbox import runner
+from dsv4rl.tools.sandbox.cgroups import find_parent
+from dsv4rl.tools.sandbox.isolation import SandboxFacts
+from dsv4rl.tools.sandbox.seccomp import SeccompUnavailable, kernel_has_seccomp, seccomp_program
+
+PROBE_UID = 0x7FFE0000  # the probe's uid; trajectories get their own (PythonTool.open)
+_SOURCE: str | None = None
+_DIRS: dict[str, list[str]] = {}
+_FACTS: dict[str, SandboxFacts] = {}
+
+
+def python_dirs(python: str) -> list[str]:
+    """The directories an interpreter needs (its prefixes and the real location of its executable)."""
+    if python in _DIRS:
+        return _DIRS[python]
+    query = ("import json, os, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, "
+             "sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]))")  # fmt: skip
+    out = subprocess.run([python, "-I", "-c", query], capture_output=True, text=True, timeout=30, check=True)
+    dirs = sorted({os.path.realpath(d) for d in json.loads(out.stdout)} | set(json.loads(out.stdout)))
+    _DIRS[python] = [d for d in dirs if not any(d.startswith(o + "/") for o in dirs)]
+    return _DIRS[python]
+
+
+def runner_config(mode: str, scratch: str, python: str, uid: int | None, *, memory_mb: int, cpu_s: float,
+                  max_processes: int, seccomp_bpf: str | None, landlock_abi: int) -> dict:  # fmt: skip
+    """The runner's config (tools/sandbox/runner.py reads it)."""
+    dirs = python_dirs(python)
+    readable = [*dirs, *(f"/dev/{d}" for d in runner.DEVICES), *runner._READ_ONLY_SYSTEM]
+    return {"mode": mode, "scratch": scratch, "python_dirs": dirs, "uid": uid, "gid": uid,
+            "block_exec": mode == "rlimits", "write_paths": [scratch, "/dev/null"], "read_paths": readable,
+            "tmpfs_mb": 64, "fsize_mb": 64, "memory_mb": memory_mb, "cpu_s": cpu_s,
+            "max_processes": max_processes, "seccomp_bpf": seccomp_bpf, "landlock_abi": landlock_abi}  # fmt: skip
+
+
+def command(python: str, cfg: dict, unshare: str | None) -> list[str]:
+    """The argv that runs the runner with `cfg`, under `unshare` in the namespaces mode."""
+    global _SOURCE
+    if _SOURCE is None:
+        _SOURCE = Path(runner.__file__).read_text()
+    argv = [python, "-I", "-c", _SOURCE, json.dumps(cfg)]
+    if cfg["mode"] != "namespaces":
+        return argv
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    return [unshare or "unshare", *user, "--net", "--mount", "--pid", *argv]
+
+
+def sandbox_env(python: str, scratch: str) -> dict[str, str]:
+    """The code's whole environment: nothing of the trainer's (no keys, no tokens)."""
+    return {"PATH": f"{os.path.dirname(python)}:/usr/local/bin:/usr/bin:/bin", "HOME": scratch,
+            "TMPDIR": scratch, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2",
+            "MPLBACKEND": "Agg"}  # fmt: skip
+
+
+def kill_uid(uid: int) -> int:
+    """SIGKILL every live process whose real uid is `uid` (a trajectory's own uid), until none is left
+    (zombies are dead already: their parent or init reaps them)."""
+    killed = 0
+    for _ in range(50):
+        found = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+                if int(fields["Uid"].split()[0]) == uid and fields["State"].split()[0] not in "ZX":
+                    os.kill(int(entry), signal.SIGKILL)
+                    found += 1
+            except (OSError, KeyError, ValueError):
+                continue
+        killed += found
+        if not found:
+            break
+    return killed
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 without Landlock (or where seccomp hides the syscall)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    version = libc.syscall(runner.LANDLOCK_NR[0], None, ctypes.c_size_t(0), 1)  # ..._VERSION flag
+    return max(0, int(version))
+
+
+def _trial(python: str, mode: str, unshare: str | None, seccomp_bpf: str | None, abi: int) -> tuple[bool, str]:
+    """Run a small program in `mode`, as a trajectory would; (it worked, what went wrong)."""
+    root = os.geteuid() == 0
+    scratch = tempfile.mkdtemp(prefix="dsv4rl-py-probe-")
+    uid = PROBE_UID if root else None
+    try:
+        if root:
+            os.chown(scratch, PROBE_UID, PROBE_UID)
+        cfg = runner_config(mode, scratch, python, uid, memory_mb=1024, cpu_s=10, max_processes=64,
+                            seccomp_bpf=seccomp_bpf, landlock_abi=abi)  # fmt: skip
+        check = "os.getpid() == 2 and not os.path.exists('/home/.')" if mode == "namespaces" else "True"
+        # modules the runner itself never imports: read from the interpreter's tree after the sandbox is set
+        code = f"import fractions, os, statistics\nassert {check}\nprint('ok')"
+        try:
+            out = subprocess.run(command(python, cfg, unshare), input=code.encode(), capture_output=True,
+                                 timeout=30, cwd=scratch, env=sandbox_env(python, scratch))  # fmt: skip
+        except (OSError, subprocess.SubprocessError) as error:
+            return False, repr(error)
+        if out.returncode == 0 and out.stdout.strip() == b"ok":
+            return True, ""
+        return False, (out.stdout + out.stderr).decode("utf-8", "replace").strip()[-400:]
+    finally:
+        if root:
+            kill_uid(PROBE_UID)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def probe(python: str) -> SandboxFacts:
+    """What this node offers the sandbox of `python` (cached per interpreter)."""
+    if python in _FACTS:
+        return _FACTS[python]
+    unreadable = ""
+    if os.geteuid() == 0:  # the trajectories' uids must read the interpreter: a common miss is /root (0700)
+        unreadable = f" (the sandbox's uid must be able to read {python}'s directories {python_dirs(python)})"
+    unshare = shutil.which("unshare")
+    namespaces, ns_error = (False, "no `unshare` on PATH (util-linux)")
+    if unshare:
+        namespaces, ns_error = _trial(python, "namespaces", unshare, None, 0)
+    seccomp, seccomp_error, program = False, "", None
+    if not kernel_has_seccomp():
+        seccomp_error = "the kernel has no seccomp filters"
+    else:
+        try:
+            program = seccomp_program(allow_fork=True)
+            seccomp = True
+        except SeccompUnavailable as error:
+            seccomp_error = str(error)
+    abi = landlock_abi()
+    landlock, landlock_error = False, "not tried (no Landlock or no seccomp)"
+    if abi and seccomp:
+        landlock, landlock_error = _trial(python, "landlock", None, program, abi)
+        landlock_error += unreadable if landlock_error else ""
+    rlimits, rlimits_error = _trial(python, "rlimits", None, None, 0)
+    rlimits_error += unreadable if rlimits_error else ""
+    parent, cgroup_error = find_parent()
+    _FACTS[python] = SandboxFacts(
+        root=os.geteuid() == 0, namespaces=namespaces, namespaces_error=ns_error, landlock_abi=abi,
+        seccomp=seccomp, seccomp_error=seccomp_error, landlock_works=landlock, landlock_error=landlock_error,
+        rlimits_works=rlimits, rlimits_error=rlimits_error, cgroup=parent.describe() if parent else None,
+        cgroup_error=cgroup_error,
+    )  # fmt: skip
+    return _FACTS[python]
