@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dsv4rl.config.schema import Config
+from dsv4rl.config.schema import Config, RolloutMode
 from dsv4rl.rollout.engine_keys import (
     ADMIN_KEY_ENV,
     API_KEY_ENV,
@@ -24,11 +24,15 @@ from dsv4rl.rollout.engine_keys import (
 )
 
 
-def test_only_engines_beyond_loopback_need_keys() -> None:
+def test_engines_beyond_loopback_or_beside_tools_need_keys() -> None:
     cfg = Config()
     assert not engines_need_keys(cfg)
     for host in ("0.0.0.0", "10.1.2.3", "::"):
         cfg.engine.host = host
+        assert engines_need_keys(cfg)
+    for mode in (RolloutMode.tools, RolloutMode.env):  # the model's or a user's code runs on the node
+        cfg = Config()
+        cfg.rollout.mode = mode
         assert engines_need_keys(cfg)
 
 

@@ -213,3 +213,47 @@ def test_read_response_follows_the_published_shapes() -> None:
     assert "answered SandboxError: 'oops'" in read_response(error, url, 0.1).sandbox_error
     for odd in [[], {"status": "Done"}, {"status": "Success"}, {"status": "Success", "run_result": {}}]:
         assert read_response(odd, url, 0.1).sandbox_error.startswith(f"sandbox service {url} ")
+
+
+# --- the python tool with isolation: remote ---------------------------------------------------------
+
+
+def tool_calls(tool, *codes: str):
+    from dsv4rl.tools.python_tool import PythonTool  # noqa: F401  (the tool under test)
+
+    async def go():
+        state = await tool.open(None)
+        try:
+            return [await tool.call(state, {"code": c}) for c in codes]
+        finally:
+            await tool.close(state)
+
+    return asyncio.run(go())
+
+
+def test_the_python_tool_runs_on_the_service(url, state):
+    from dsv4rl.tools.python_tool import PythonTool
+
+    tool = PythonTool(timeout_s=3, memory_mb=256, isolation="remote", remote={"url": url, "timeout_s": 10})
+    assert tool.isolation == "remote" and "files do not persist" in tool.describe()
+    assert "do not persist either" in tool.schema["description"]
+    ok, raised, slow = tool_calls(tool, "print(6 * 7)", "1 / 0", "import time\ntime.sleep(10)")
+    assert (ok.text, ok.error) == ("42\n", False)
+    assert raised.error and "ZeroDivisionError" in raised.text and raised.text.endswith("exit status 1")
+    assert slow.error and slow.timed_out and "timed out after 3 s" in slow.text
+
+
+def test_the_python_tool_refuses_a_wrong_url_at_construction_and_raises_when_the_service_fails(url):
+    from dsv4rl.tools.python_tool import PythonTool
+
+    with pytest.raises(SandboxServiceError, match="Fix remote.url"):
+        PythonTool(isolation="remote", remote={"url": url.replace("/run_code", "/nothing"), "timeout_s": 30})
+    with pytest.raises(ValueError, match="goes with isolation: remote"):
+        PythonTool(remote={"url": url})
+    with pytest.raises(ValueError, match="unknown keys"):
+        PythonTool(isolation="remote", remote={"url": url, "retry": 2})
+    tool = PythonTool(timeout_s=3, isolation="remote", remote={"url": url, "timeout_s": 10, "retries": 1})
+    tool.remote.headers["X-Fault"] = "http:503"  # the service fails from now on (the probe passed)
+    tool.remote.backoff_s = 0.01
+    with pytest.raises(RuntimeError, match="sandbox service"):
+        tool_calls(tool, "print(1)")

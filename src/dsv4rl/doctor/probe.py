@@ -29,6 +29,7 @@ from typing import Any
 
 from dsv4rl.config.schema import Config
 from dsv4rl.launcher.engine_python import InterpreterInfo
+from dsv4rl.tools.sandbox.isolation import SandboxFacts
 
 
 class Limit(StrEnum):
@@ -195,6 +196,12 @@ class SystemProbe:
 
         return probe_interpreter(python, timeout_s=120.0)
 
+    def sandbox_facts(self, python: str | None) -> SandboxFacts | None:
+        """What this node offers the python tool's sandbox for `python` (runs each layer once, ~1 s)."""
+        from dsv4rl.tools.sandbox.probe import probe
+
+        return probe(python or sys.executable)
+
     def time_collectives(self, world: int, backend: str, size_bytes: int, iters: int) -> dict[str, float]:
         """Seconds per all-reduce / broadcast across `world` local ranks (`dsv4rl doctor --probe`)."""
         from dsv4rl.doctor.collectives import run_ranks
@@ -256,7 +263,7 @@ class RecordedProbe(SystemProbe):
     parent), rlimits {memlock|nofile: [soft, hard]} (-1: unlimited), packages {dist: version}, torch
     (TorchInfo fields), resolve {host: [addresses]}, busy_ports [port...], engine_interpreters {python:
     InterpreterInfo fields}, recipe_path_problems [text...], collective_seconds {all_reduce, broadcast}
-    (or {"error": text}: the collectives failed).
+    (or {"error": text}: the collectives failed), sandbox (SandboxFacts fields; absent: not recorded).
     """
 
     def __init__(self, state: dict[str, Any], source: str = "<state>"):
@@ -334,6 +341,10 @@ class RecordedProbe(SystemProbe):
 
     def recipe_path_problems(self, cfg: Config) -> list[str]:
         return list(self.state.get("recipe_path_problems", []))
+
+    def sandbox_facts(self, python: str | None) -> SandboxFacts | None:
+        recorded = self.state.get("sandbox")
+        return None if recorded is None else SandboxFacts(**recorded)
 
     def time_collectives(self, world: int, backend: str, size_bytes: int, iters: int) -> dict[str, float]:
         recorded = self.state.get("collective_seconds")

@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dsv4rl.config.schema import Config
-from dsv4rl.doctor import checks_env, checks_host, checks_network, checks_node
+from dsv4rl.doctor import checks_env, checks_host, checks_network, checks_node, checks_sandbox
 from dsv4rl.doctor.bandwidth import probe_bandwidth
 from dsv4rl.doctor.context import Context
 from dsv4rl.doctor.facts import gather_facts
@@ -26,6 +26,7 @@ ALL_CHECKS: tuple[CheckFn, ...] = (
     *checks_host.CHECKS,
     *checks_env.CHECKS,
     *checks_network.CHECKS,
+    *checks_sandbox.CHECKS,
 )
 STATUS_STYLE = {Status.PASS: "green", Status.WARN: "yellow", Status.FAIL: "bold red", Status.SKIP: "dim"}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import shlex
+import socket
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -22,7 +23,14 @@ from rich.table import Table
 from rich.text import Text
 
 from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.schema import ClusterKind, Config, ProcessRole, RolloutEngineKind, SyncTransport
+from dsv4rl.config.schema import (
+    ClusterKind,
+    Config,
+    ProcessRole,
+    RolloutEngineKind,
+    RolloutMode,
+    SyncTransport,
+)
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT
 from dsv4rl.launcher.engine_python import engine_python
 from dsv4rl.launcher.estimate_view import (
@@ -212,12 +220,31 @@ def reward_plan(cfg: Config) -> dict[str, Any]:
     }
 
 
+def _tools_plan(cfg: Config) -> list[dict[str, Any]]:
+    """Each tool of `rollout.tools`, built as the driver builds it: where its calls run and what isolates
+    them on this node (the driver node measures again when the run starts and refuses less)."""
+    from dsv4rl.config.compose import reward_base_dirs
+    from dsv4rl.tools.loading import build_tool, tool_isolation
+
+    r = cfg.rollout
+    out = []
+    for entry in r.tools:
+        row = {"target": entry.target, "name": entry.name, "timeout_s": entry.timeout_s}
+        if r.mode == RolloutMode.tools:
+            row |= tool_isolation(build_tool(entry, reward_base_dirs(cfg)))
+            if row.get("memory_mb"):  # every call in flight at once, on the driver node
+                row["node_memory_mb"] = row["memory_mb"] * r.max_concurrent_tools
+        out.append(row)
+    return out
+
+
 def rollout_plan(cfg: Config) -> dict[str, Any]:
     """How trajectories are generated: the mode, its tools or environment, the budgets (docs/agents.md)."""
     r = cfg.rollout
     return {
         "mode": r.mode.value,
-        "tools": [{"target": t.target, "name": t.name, "timeout_s": t.timeout_s} for t in r.tools],
+        "tools": _tools_plan(cfg),
+        "probed_on": socket.gethostname(),
         "env": r.env,
         "max_turns": r.max_turns,
         "max_tool_calls": r.max_tool_calls,
@@ -236,11 +263,24 @@ def _rollout_text(rollout: dict[str, Any]) -> str | None:
         if rollout["mode"] == "tools"
         else f"environment {rollout['env']}"
     )
-    return (
+    lines = [
         f"rollout: {rollout['mode']} mode, {what}; a trajectory: at most {rollout['max_turns']} turn(s), "
         f"{rollout['max_tool_calls']} call(s), {rollout['max_total_tokens']} tokens "
         f"({rollout['max_new_tokens_per_turn']} a turn); {rollout['max_concurrent_tools']} calls in flight"
-    )
+    ]
+    for tool in rollout["tools"]:
+        if "isolation" not in tool:
+            continue
+        name = tool["name"] or tool["target"]
+        lines.append(f"  {name}: isolation {tool['isolation']} (as probed on {rollout['probed_on']})")
+        for guarantee, layer in tool.get("layers", {}).items():
+            lines.append(f"    {guarantee}: {layer}")
+        if tool.get("memory_mb"):
+            lines.append(f"    limits: {tool['memory_mb']} MB per call over all its processes, "
+                         f"{tool['max_processes']} process(es); all calls in flight: "
+                         f"{tool['node_memory_mb'] / 1024:.1f} GiB at most on the driver node")  # fmt: skip
+        lines += [f"    note: {note}" for note in tool.get("notes", [])]
+    return "\n".join(lines)
 
 
 def _reward_text(reward: dict[str, Any]) -> str:

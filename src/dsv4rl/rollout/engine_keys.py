@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from dsv4rl.config.schema import Config
+from dsv4rl.config.schema import Config, RolloutMode
 
 ADMIN_KEY_ENV = "DSV4RL_ENGINE_ADMIN_API_KEY"  # set it to choose the admin key (the same on every node)
 API_KEY_ENV = "DSV4RL_ENGINE_API_KEY"
@@ -48,8 +48,10 @@ class EngineKeys:
 
 
 def engines_need_keys(cfg: Config) -> bool:
-    """Engines reachable from other machines must refuse requests without the run's keys."""
-    return cfg.engine.host not in LOOPBACK
+    """Engines must refuse requests without the run's keys when other machines can reach them, and when
+    other people's code runs beside them: a tool's or an environment's code (the model's code in the
+    python tool, whatever its isolation) could otherwise POST weights to a loopback engine."""
+    return cfg.engine.host not in LOOPBACK or cfg.rollout.mode != RolloutMode.single_turn
 
 
 def engine_keys_file(run_dir: Path) -> Path:

@@ -17,6 +17,7 @@ from typing import Any
 from dsv4rl.config.schema import ToolConfig
 from dsv4rl.reward.targets import TargetError, load_module, parse_target
 from dsv4rl.tools.base import FunctionTool, Tool
+from dsv4rl.tools.sandbox.isolation import GUARANTEES
 
 BUILTIN = "builtin:"
 BUILTINS = {"python": "dsv4rl.tools.python_tool:PythonTool", "lookup": "dsv4rl.tools.lookup:LookupTool"}
@@ -122,3 +123,17 @@ def tool_problems(entries: Sequence[ToolConfig], base_dirs: Sequence[Path]) -> l
     except (TargetError, ValueError, RuntimeError) as error:
         problems.append(str(error))
     return problems
+
+
+def tool_isolation(tool: Tool) -> dict[str, Any]:
+    """Where a built tool's calls run and what isolates them (for `dsv4rl plan` and `dsv4rl doctor`)."""
+    plan = getattr(tool, "plan", None)
+    if plan is None:  # a user's tool: plain code of the recipe's author, in the trainer's process
+        return {"isolation": "none (your tool's code runs in the trainer's process)"}
+    return {
+        "isolation": str(plan.mode),
+        "layers": {g: plan.layers[g] for g in GUARANTEES if g in plan.layers},
+        "memory_mb": getattr(tool, "memory_mb", None),  # per call, over all of its processes
+        "max_processes": plan.max_processes,
+        "notes": list(plan.notes),
+    }

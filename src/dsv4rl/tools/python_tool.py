@@ -30,9 +30,10 @@ from typing import Any
 
 from dsv4rl.config.schema import SandboxIsolation, choice
 from dsv4rl.tools.base import ToolResult
+from dsv4rl.tools.remote_sandbox import RemoteRun, SandboxFusionClient, probe_service
 from dsv4rl.tools.sandbox import probe as sandbox
 from dsv4rl.tools.sandbox.cgroups import CallCgroup, find_parent
-from dsv4rl.tools.sandbox.isolation import IsolationPlan, SandboxFacts, plan_isolation
+from dsv4rl.tools.sandbox.isolation import IsolationPlan, SandboxFacts, plan_isolation, remote_plan
 from dsv4rl.tools.sandbox.runner import SETUP_FAILED
 from dsv4rl.tools.sandbox.seccomp import seccomp_program
 
@@ -98,7 +99,8 @@ class PythonTool:
 
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 1024, cpu_s: float | None = None,
                  max_output_chars: int = 4096, max_processes: int = 64, isolation: str = "auto",
-                 trust_model_code: bool = False, python: str | None = None):  # fmt: skip
+                 trust_model_code: bool = False, python: str | None = None,
+                 remote: dict[str, Any] | None = None):  # fmt: skip
         requested = choice(SandboxIsolation, isolation, "the python tool's isolation")
         self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
         self.max_output_chars = int(max_output_chars)
@@ -107,23 +109,28 @@ class PythonTool:
         if self.timeout_s <= 0 or self.memory_mb < 16 or int(max_processes) < 1:
             raise ValueError("python tool: timeout_s must be > 0, memory_mb >= 16 and max_processes >= 1 "
                              f"(got {timeout_s}, {memory_mb}, {max_processes})")  # fmt: skip
-        self.facts = sandbox.probe(self.python)
-        self.plan: IsolationPlan = plan_isolation(self.facts, requested, bool(trust_model_code),
-                                                  int(max_processes))  # fmt: skip
+        if (remote is not None) != (requested == SandboxIsolation.remote):
+            raise ValueError("python tool: `remote: {url: ...}` goes with isolation: remote, and only with it")
+        self.remote: SandboxFusionClient | None = None
+        if requested == SandboxIsolation.remote:
+            self.remote = self._remote_client(remote)
+            self.plan: IsolationPlan = remote_plan(self.remote.url)
+        else:
+            self.facts = sandbox.probe(self.python)
+            self.plan = plan_isolation(self.facts, requested, bool(trust_model_code), int(max_processes))
+            self.cgroup_parent = find_parent()[0] if self.plan.use_cgroup else None
+            self.seccomp_bpf = seccomp_program(self.plan.allow_fork) if self.plan.use_seccomp else None
+            self.unshare = shutil.which("unshare")
         self.isolation = str(self.plan.mode)
         self.max_processes = self.plan.max_processes
-        self.cgroup_parent = find_parent()[0] if self.plan.use_cgroup else None
-        self.seccomp_bpf = seccomp_program(self.plan.allow_fork) if self.plan.use_seccomp else None
-        self.unshare = shutil.which("unshare")
-        network = "no network access" if self.isolation != "rlimits" else "network access is disabled"
+        files = "do not persist either" if self.remote else "written to the current directory do"
         self.schema = {
             "name": "python",
             "description": (
                 "Run Python 3 code in a fresh, sandboxed interpreter and get its stdout and stderr back "
                 f"(at most {max_output_chars} characters). Print what you want to see. Variables do not "
-                f"persist between calls; files written to the current directory do. {network.capitalize()}"
-                f"; limits: {self.timeout_s:g} s, {self.memory_mb} MB"
-                + ("; no subprocesses." if self.max_processes == 1 else ".")
+                f"persist between calls; files {files}. No network access; limits: {self.timeout_s:g} s, "
+                f"{self.memory_mb} MB" + ("; no subprocesses." if self.max_processes == 1 else ".")
             ),
             "parameters": {
                 "type": "object",
@@ -132,11 +139,29 @@ class PythonTool:
             },
         }
 
+    def _remote_client(self, remote: Any) -> SandboxFusionClient:
+        """The service's client, checked now (a test run of `print(1)`): a wrong URL stops validation."""
+        if not isinstance(remote, dict) or not remote.get("url"):
+            raise ValueError("python tool: isolation: remote needs `remote: {url: http://host:8080/run_code}` "
+                             "(a SandboxFusion service; timeout_s, retries, max_concurrency, headers optional)")  # fmt: skip
+        allowed = {"url", "timeout_s", "retries", "max_concurrency", "headers"}
+        unknown = sorted(set(remote) - allowed)
+        if unknown:
+            raise ValueError(f"python tool: remote has unknown keys {unknown}; known: {sorted(allowed)}")
+        client = SandboxFusionClient(**remote)
+        problem = client.timeout_problem(self.timeout_s)
+        if problem:
+            raise ValueError(f"python tool: {problem}")
+        probe_service(memory_mb=self.memory_mb, **remote)
+        return client
+
     def describe(self) -> str:
         """The isolation as planned, for `dsv4rl plan` and the logs."""
         return self.plan.describe()
 
     async def open(self, sample: Any) -> PythonState:
+        if self.remote is not None:
+            return PythonState("")  # nothing on this node: each run is a fresh directory on the service
         path = tempfile.mkdtemp(prefix="dsv4rl-py-")
         uid = None
         if os.geteuid() == 0:
@@ -145,6 +170,8 @@ class PythonTool:
         return PythonState(path, uid)
 
     async def close(self, state: PythonState) -> None:
+        if not state.path:
+            return
         if state.uid is not None:
             await asyncio.to_thread(sandbox.kill_uid, state.uid)
         await asyncio.to_thread(_remove, state.path)
@@ -154,6 +181,8 @@ class PythonTool:
         if not isinstance(code, str):
             return ToolResult("error: the python tool takes one argument, 'code' (a string of Python code)",
                               error=True)  # fmt: skip
+        if self.remote is not None:
+            return self._remote_result(await self.remote.run(code, self.timeout_s, self.memory_mb))
         cfg = sandbox.runner_config(
             self.isolation, state.path, self.python, state.uid, memory_mb=self.memory_mb, cpu_s=self.cpu_s,
             max_processes=self.max_processes, seccomp_bpf=self.seccomp_bpf,
@@ -191,6 +220,24 @@ class PythonTool:
         timed_out = timed_out or code_rc == -signal.SIGXCPU
         text = f"{text.rstrip()}\n{reason}".lstrip()
         return ToolResult(text, metrics=metrics, error=True, timed_out=timed_out)
+
+    def _remote_result(self, run: RemoteRun) -> ToolResult:
+        if run.sandbox_error:  # the service failed after its retries: never scored as the model's error
+            raise RuntimeError(f"python tool: {run.sandbox_error}")
+        output = _Output(4 * self.max_output_chars + 16)
+        output.add(run.output.encode("utf-8", "replace"))
+        text = output.text(self.max_output_chars)
+        metrics = {"exit_code": float(run.exit_code if run.exit_code is not None else -1), "time_s": run.time_s}
+        if run.exit_code == 0 and not run.timed_out:
+            return ToolResult(text if text.strip() else "(no output)", metrics=metrics)
+        if run.timed_out:
+            reason = f"error: timed out after {self.timeout_s:g} s (process killed)"
+        elif run.memory_exceeded:
+            reason = f"error: killed (memory limit {self.memory_mb} MB)"
+        else:
+            reason = f"error: exit status {run.exit_code}"
+        return ToolResult(f"{text.rstrip()}\n{reason}".lstrip(), metrics=metrics, error=True,
+                          timed_out=run.timed_out)  # fmt: skip
 
     async def _run(self, argv: list[str], code: str, state: PythonState, output: _Output,
                    cgroup: CallCgroup | None) -> tuple[int, bool]:  # fmt: skip

@@ -30,7 +30,7 @@ FIXES = (
     "Debian before 11: sysctl kernel.unprivileged_userns_clone=1), or run the trainer as root with "
     "CAP_SYS_ADMIN (a container with --cap-add SYS_ADMIN and a seccomp profile that allows unshare)",
     "isolation: landlock, on Linux 6.2+ with libseccomp (pip install pyseccomp; the libseccomp2 package)",
-    "isolation: remote with a SandboxFusion service (remote: {url: http://sandbox:8080})",
+    "isolation: remote with a SandboxFusion service (remote: {url: http://sandbox-host:8080/run_code})",
     "isolation: rlimits with trust_model_code: true, only for code you would run yourself",
 )
 
@@ -144,6 +144,17 @@ def _local_plan(facts: SandboxFacts, mode: SandboxIsolation, max_processes: int)
     plan = IsolationPlan(mode, layers, enforced, bool(facts.cgroup), seccomp, allow_fork,
                          (note,) if note else ())  # fmt: skip
     return plan, missing
+
+
+def remote_plan(url: str) -> IsolationPlan:
+    """The remote mode: every guarantee is the service's; this node runs nothing of the model's."""
+    service = f"the sandbox service's own isolation ({url})"
+    layers = {g: service for g in GUARANTEES} | {
+        "cleanup": "the service ends each run (a fresh directory per request)",
+        "memory": f"the service's memory_limit_MB per run ({url})",
+    }
+    return IsolationPlan(SandboxIsolation.remote, layers, 1, False, False, True,
+                         ("files do not persist between calls",))  # fmt: skip
 
 
 def plan_isolation(facts: SandboxFacts, requested: str, trust_model_code: bool,

@@ -129,7 +129,9 @@ def probe(python: str) -> SandboxFacts:
         return _FACTS[python]
     unreadable = ""
     if os.geteuid() == 0:  # the trajectories' uids must read the interpreter: a common miss is /root (0700)
-        unreadable = f" (the sandbox's uid must be able to read {python}'s directories {python_dirs(python)})"
+        unreadable = (f" (the sandbox's uid must be able to read {python}'s directories {python_dirs(python)}: "
+                      "give the tool `python:` an interpreter every user can read, e.g. /usr/bin/python3 "
+                      "with the packages the model may import, or make those directories readable)")  # fmt: skip
     unshare = shutil.which("unshare")
     namespaces, ns_error = (False, "no `unshare` on PATH (util-linux)")
     if unshare:
