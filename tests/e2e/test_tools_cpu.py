@@ -17,8 +17,8 @@ from dsv4rl.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 TOOL_KEYS = ("tool/calls_mean", "tool/parse_errors", "tool/errors", "tool/timeouts", "tool/time_s",
-             "turns_mean", "finish/stop", "finish/length", "finish/max_turns", "masked_token_fraction",
-             "generated_len_mean")  # fmt: skip
+             "tool/exceptions", "turns_mean", "finish/stop", "finish/length", "finish/max_turns",
+             "masked_token_fraction", "generated_len_mean")  # fmt: skip
 
 
 def train_tool(run_dir: Path, *overrides: str) -> list[dict]:
@@ -64,6 +64,7 @@ def test_tools_mode_runs_on_every_loop(tmp_path: Path, name: str, overrides: tup
     assert [line["step"] for line in metrics] == [1, 2, 3]
     for line in metrics:
         assert line["tool/calls_mean"] > 0 and 0 < line["masked_token_fraction"] < 1
+        assert line["tool/lookup/calls"] > 0 and line["tool/exceptions"] == line["tool/lookup/timeouts"] == 0
         if name != "async":  # async trains on samples of the previous weights: they differ by design
             assert line["logprob_abs_diff"] < 1e-4
     if "algo.routing_replay=true" in overrides:  # every position replays the turn that forwarded it first
