@@ -24,7 +24,7 @@ from test_trajectory import (
 
 from dsv4rl.config.schema import RolloutConfig, RolloutMode, SamplingConfig
 from dsv4rl.data.problems import Problem
-from dsv4rl.rollout.env import EnvStep
+from dsv4rl.rollout.env import EnvReset, EnvStep
 from dsv4rl.rollout.tool_failures import FailureLog, StepFailures, ToolFailure, ToolFailureError
 from dsv4rl.rollout.trajectory import TrajectoryRunner, trajectory_metrics
 from dsv4rl.rollout.turn_format import PLAIN_RESULT, PlainFormat
@@ -62,17 +62,13 @@ def problems(n: int) -> list[Problem]:
     return [Problem("Q:", "7", f"p{i}") for i in range(n)]
 
 
-def metrics_of(samples) -> dict[str, float]:  # noqa: ANN001
-    return trajectory_metrics(samples)
-
-
 # --- what counts --------------------------------------------------------------------------------------------
 
 
 def test_a_raising_tool_is_counted_recorded_and_answered_shortly():
     tool = LookupLike(behavior=failing_on({1, 3}))
     samples = run(make_runner([tool], max_tool_error_fraction=1.0), [ScriptedEngine()], problems(5))
-    out = metrics_of(samples)
+    out = trajectory_metrics(samples)
     assert (out["tool/lookup/calls"], out["tool/lookup/exceptions"], out["tool/lookup/timeouts"]) == (5, 2, 0)
     assert out["tool/exceptions"] == 2 and out["tool/errors"] == 2  # tool/errors as it was: every error
     failed = [s for s in samples if s.trajectory.tool_exceptions]
@@ -116,7 +112,7 @@ def test_the_rollouts_timeout_counts_but_a_tool_reporting_a_timeout_does_not():
     call = sample.trajectory.turns[0].calls[0]
     assert call["timed_out"] and call["exception"]["type"] == "TimeoutError"
     assert "timeout_s=0.1" in call["exception"]["message"] and call["exception"]["traceback"] == ""
-    out = metrics_of([sample])
+    out = trajectory_metrics([sample])
     assert (out["tool/lookup/timeouts"], out["tool/lookup/exceptions"], out["tool/exceptions"]) == (1, 0, 0)
 
     async def own_timeout(args):  # the python tool killing the model's endless loop: the model's error
@@ -124,7 +120,7 @@ def test_the_rollouts_timeout_counts_but_a_tool_reporting_a_timeout_does_not():
 
     tool = LookupLike(behavior=own_timeout)
     samples = run(make_runner([tool]), [ScriptedEngine()], problems(20))  # default fraction: goes on
-    out = metrics_of(samples)
+    out = trajectory_metrics(samples)
     assert out["tool/timeouts"] == 20 and out["tool/lookup/timeouts"] == 0 and out["tool/lookup/calls"] == 20
 
 
@@ -133,7 +129,7 @@ def test_a_tool_raising_timeouterror_itself_is_an_exception_not_a_timeout():
     (sample,) = run(make_runner([tool], max_tool_error_fraction=1.0), [ScriptedEngine()])
     call = sample.trajectory.turns[0].calls[0]
     assert not call["timed_out"] and call["result"] == "error: TimeoutError: upstream timed out"
-    assert metrics_of([sample])["tool/lookup/exceptions"] == 1
+    assert trajectory_metrics([sample])["tool/lookup/exceptions"] == 1
 
 
 def test_the_models_errors_do_not_count():
@@ -145,7 +141,7 @@ def test_the_models_errors_do_not_count():
 
     tool = LookupLike(behavior=model_error)
     samples = run(make_runner([tool]), [ScriptedEngine()], problems(20))
-    out = metrics_of(samples)
+    out = trajectory_metrics(samples)
     assert out["tool/errors"] == 20 and out["tool/exceptions"] == 0 and out["tool/lookup/exceptions"] == 0
     assert all("exception" not in s.trajectory.turns[0].calls[0] for s in samples)
 
@@ -155,7 +151,7 @@ def test_the_models_errors_do_not_count():
     other = LookupLike()
     other.name, other.schema = "other", {**LookupLike.schema, "name": "other"}
     samples = run(make_runner([LookupLike(), other]), [ScriptedEngine(malformed)], problems(20))
-    out = metrics_of(samples)
+    out = trajectory_metrics(samples)
     assert out["tool/parse_errors"] == 20 and out["tool/exceptions"] == 0
     assert not any(key.endswith("/calls") for key in out)  # nothing ran
 
@@ -187,13 +183,13 @@ def test_a_tool_that_always_raises_stops_the_round_early_naming_it():
 def test_failures_within_the_fraction_go_on():
     tool = LookupLike(behavior=failing_on({3, 17}))  # 2 of 40 calls: 5%, not more
     samples = run(make_runner([tool]), [ScriptedEngine()], problems(40))
-    assert metrics_of(samples)["tool/lookup/exceptions"] == 2
+    assert trajectory_metrics(samples)["tool/lookup/exceptions"] == 2
     tool = LookupLike(behavior=failing_on({3, 17, 30}))  # 3 of 40
     with pytest.raises(ToolFailureError, match="tool 'lookup'"):
         run(make_runner([tool]), [ScriptedEngine()], problems(40))
     tool = LookupLike(behavior=failing_on(set(range(40))))  # a fraction of 1 never stops
     samples = run(make_runner([tool], max_tool_error_fraction=1.0), [ScriptedEngine()], problems(40))
-    assert metrics_of(samples)["tool/lookup/exceptions"] == 40
+    assert trajectory_metrics(samples)["tool/lookup/exceptions"] == 40
 
 
 def test_the_fraction_is_per_tool_and_counted_over_calls_that_ran():
@@ -309,8 +305,6 @@ class FlakyEnv:
         self.closed: list[str] = []
 
     async def reset(self, sample):
-        from dsv4rl.rollout.env import EnvReset
-
         return EnvReset([{"role": "user", "content": sample.prompt}], {"id": sample.id, "turn": 0})
 
     async def step(self, state, assistant_message):
@@ -339,7 +333,7 @@ def test_an_environment_whose_step_raises_is_counted_recorded_and_bounded(caplog
     assert broken.finish_reason == "abort" and len(broken.trajectory.turns) == 1
     assert broken.trajectory.turns[0].exception["message"] == "no board for p1"
     assert [s.finish_reason for s in (samples[0], samples[2])] == ["stop", "stop"]
-    out = metrics_of(samples)
+    out = trajectory_metrics(samples)
     assert (out["tool/env/calls"], out["tool/env/exceptions"], out["tool/exceptions"]) == (5, 1, 1)
     (record,) = rollout_records([broken], [problems(2)[1]], [{}], None, [broken], 1)
     assert record["turns"][0]["exception"]["type"] == "ValueError" and record["tool_exceptions"] == 1
@@ -361,7 +355,7 @@ def test_an_environment_whose_step_raises_is_counted_recorded_and_bounded(caplog
 
 def test_tool_metrics_are_absent_without_calls_but_tool_exceptions_is_always_there():
     samples = run(make_runner(), [ScriptedEngine(lambda s: "7<eos>")], problems(2))
-    out = metrics_of(samples)
+    out = trajectory_metrics(samples)
     assert out["tool/exceptions"] == 0 and "tool/lookup/calls" not in out
     samples = run(make_runner(), [ScriptedEngine(call_then_answer)], problems(2))
-    assert metrics_of(samples)["tool/lookup/calls"] == 2
+    assert trajectory_metrics(samples)["tool/lookup/calls"] == 2
