@@ -52,3 +52,29 @@ def test_tools_and_environments_are_built_at_validation(tmp_path: Path) -> None:
     assert any("rollout.env" in p and "async reset(sample) and async step" in p for p in found), found
     # without the machine's paths nothing is imported
     assert problems("tiny_tool", "rollout.tools=[{target: 'builtin:no_such_tool'}]", check_paths=False) == []
+
+
+def test_the_tool_error_fraction_is_a_fraction() -> None:
+    for value in ("-0.1", "1.5"):
+        found = problems("tiny_tool", f"rollout.max_tool_error_fraction={value}", check_paths=False)
+        assert any(
+            f"rollout.max_tool_error_fraction must be in [0, 1] (got {float(value)})" in p
+            and "0 stops at" in p
+            for p in found
+        ), found
+    assert problems("tiny_tool", "rollout.max_tool_error_fraction=0", check_paths=False) == []
+
+
+def test_the_rollouts_timeout_leaves_the_python_sandbox_its_own() -> None:
+    python = "{target: 'builtin:python', timeout_s: %s, kwargs: {timeout_s: %s}}"
+    found = problems("tiny_tool", f"rollout.tools=[{python % (10, 10)}]", check_paths=False)
+    assert any(
+        "rollout.tools[0]: builtin:python kills the model's code after kwargs.timeout_s=10" in p
+        and "timeout_s=10: the model's slow code would count as the tool's failure" in p
+        for p in found
+    ), found
+    found = problems(
+        "tiny_tool", "rollout.tools=[{target: 'builtin:python', timeout_s: 5}]", check_paths=False
+    )
+    assert any("kwargs.timeout_s=10 but the rollout stops the call at timeout_s=5" in p for p in found), found
+    assert problems("tiny_tool", f"rollout.tools=[{python % (15, 10)}]", check_paths=False) == []

@@ -1,23 +1,24 @@
 """`dsv4rl train recipe=tiny_tool` end to end: multi-turn rollouts with a tool call, the inserted tokens
 masked, on the reference engine and both trainer backends, with replays, async rollout and colocated
 engines. The learning run is the issue's acceptance: the tiny model cannot beat a guess without the tool
-and learns to call it."""
+and learns to call it. A tool that raises on every call stops the run in its first step."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
-from test_train_cpu import train
+from test_train_cpu import CLI, port_overrides, train
 
 from dsv4rl.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
 TOOL_KEYS = ("tool/calls_mean", "tool/parse_errors", "tool/errors", "tool/timeouts", "tool/time_s",
-             "turns_mean", "finish/stop", "finish/length", "finish/max_turns", "masked_token_fraction",
-             "generated_len_mean")  # fmt: skip
+             "tool/exceptions", "turns_mean", "finish/stop", "finish/length", "finish/max_turns",
+             "masked_token_fraction", "generated_len_mean")  # fmt: skip
 
 
 def train_tool(run_dir: Path, *overrides: str) -> list[dict]:
@@ -63,6 +64,7 @@ def test_tools_mode_runs_on_every_loop(tmp_path: Path, name: str, overrides: tup
     assert [line["step"] for line in metrics] == [1, 2, 3]
     for line in metrics:
         assert line["tool/calls_mean"] > 0 and 0 < line["masked_token_fraction"] < 1
+        assert line["tool/lookup/calls"] > 0 and line["tool/exceptions"] == line["tool/lookup/timeouts"] == 0
         if name != "async":  # async trains on samples of the previous weights: they differ by design
             assert line["logprob_abs_diff"] < 1e-4
     if "algo.routing_replay=true" in overrides:  # every position replays the turn that forwarded it first
@@ -70,3 +72,23 @@ def test_tools_mode_runs_on_every_loop(tmp_path: Path, name: str, overrides: tup
         assert all(line["routing_replay_diff_fraction"] == 0.0 for line in metrics)
         assert all(line["indexer_replay_decisions"] > 0 for line in metrics)
         assert all(line["indexer_replay_diff_fraction"] < 0.01 for line in metrics)
+
+
+def test_a_tool_that_always_raises_stops_the_run_naming_it(tmp_path: Path) -> None:
+    """The tester's case: a tool whose every call raises. The run stops in its first step (not after
+    three silent ones) with a non-zero exit, naming the tool, the exception and the fix; the trainer's
+    log has the traceback."""
+    run_dir = tmp_path / "run"
+    broken = Path(__file__).with_name("broken_tool.py")
+    argv = [*CLI, "recipe=tiny_tool", f"run.dir={run_dir}", "run.progress=false", *port_overrides(),
+            f"rollout.tools=[{{target: '{broken}:lookup', timeout_s: 5}}]", "train.steps=3"]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "ToolFailureError: tool 'lookup'" in out, out
+    assert "rollout.max_tool_error_fraction=0.05" in out and "fix the tool" in out, out
+    assert "ConnectionError: the lookup service at 10.0.0.7:8080 is down" in out, out
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "tool 'lookup' raised ConnectionError: the lookup service at 10.0.0.7:8080 is down" in log
+    assert f'File "{broken}", line 13, in lookup' in log  # the traceback, into the tool's own line
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip()

@@ -60,6 +60,7 @@ def test_plan_all_nodes_matches_dapo_math() -> None:
     assert tir["run_dir"].endswith("runs/dapo_math_tir")
     assert tir["rollout"]["mode"] == "tools" and dapo["rollout"]["mode"] == "single_turn"
     assert [tool["target"] for tool in tir["rollout"]["tools"]] == ["builtin:python"]
+    assert tir["rollout"]["max_tool_error_fraction"] == 0.05
     # the tool block makes prompts longer: the step-time estimate counts it
     assert (
         tir["step_time"]["assumptions"]["mean_prompt_tokens"]

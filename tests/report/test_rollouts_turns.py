@@ -5,6 +5,7 @@ exactly their fields."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -96,3 +97,24 @@ def test_the_rollouts_command_marks_inserted_spans(tmp_path: Path) -> None:
     assert "response" in out  # the single-turn sample keeps its plain response row
     listed = json.loads(runner.invoke(app, ["rollouts", str(tmp_path), "--json"]).stdout)
     assert listed["samples"][0]["loss_mask"] == [[0, 1, 1.0], [1, 4, 0.0], [4, 5, 1.0]]
+
+
+def test_the_rollouts_command_shows_what_a_tool_or_an_environment_raised(tmp_path: Path) -> None:
+    sample = tool_sample()
+    traceback = (
+        'Traceback (most recent call last):\n  File "/srv/s.py", line 12, in lookup\n'
+        '    raise RuntimeError("index offline")\nRuntimeError: index offline\n'
+    )
+    exception = {"type": "RuntimeError", "message": "index offline", "traceback": traceback}
+    call = sample.trajectory.turns[0].calls[0]
+    call.update(error=True, result="error: RuntimeError: index offline", exception=exception)
+    sample.trajectory.turns[1].exception = {"type": "ValueError", "message": "no board", "traceback": ""}
+    write_rollouts(tmp_path, 3, [sample], [Problem("Q:", "7", "tool-0")], [{}], None, [sample], decode)
+    _, saved = load_step(tmp_path)
+    assert saved[0]["turns"][0]["calls"][0]["exception"] == exception
+    assert saved[0]["turns"][1]["exception"]["type"] == "ValueError"
+    out = runner.invoke(app, ["rollouts", str(tmp_path), "--n", "1"], terminal_width=200).output
+    assert "lookup() → error: RuntimeError: index offline" in out and "(the tool raised, 0.01 s)" in out
+    assert re.search(r"raised +RuntimeError: index offline", out), out
+    assert 'File "/srv/s.py", line 12, in lookup' in out and 'raise RuntimeError("index offline")' in out
+    assert re.search(r"raised +ValueError: no board", out), out  # the environment's step

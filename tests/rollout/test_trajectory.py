@@ -17,6 +17,7 @@ from dsv4rl.data.problems import Problem
 from dsv4rl.model.tokenizer import build_char_tokenizer
 from dsv4rl.rollout.choices import ChoiceRequest
 from dsv4rl.rollout.env import EnvReset, EnvStep, ToolEnv
+from dsv4rl.rollout.tool_failures import ToolFailureError
 from dsv4rl.rollout.trajectory import (
     TrajectoryRunner,
     TurnBatcher,
@@ -289,8 +290,8 @@ def test_a_tool_that_raises_is_an_error_result_and_the_step_goes_on():
     async def boom(args):
         raise RuntimeError("boom")
 
-    tool = LookupLike(behavior=boom)
-    sample, engine = run_one(make_runner([tool]))
+    tool = LookupLike(behavior=boom)  # under a fraction that tolerates it (test_tool_failures.py: the limit)
+    sample, engine = run_one(make_runner([tool], max_tool_error_fraction=1.0))
     record = sample.trajectory.turns[0].calls[0]
     assert record["error"] and record["result"] == "error: RuntimeError: boom"
     assert not record["timed_out"]
@@ -306,7 +307,7 @@ def test_an_async_tool_that_hangs_times_out():
 
     tool = LookupLike(behavior=hang)
     began = time.monotonic()
-    sample, engine = run_one(make_runner([tool], timeouts={"lookup": 0.2}))
+    sample, engine = run_one(make_runner([tool], timeouts={"lookup": 0.2}, max_tool_error_fraction=1.0))
     assert time.monotonic() - began < 5
     record = sample.trajectory.turns[0].calls[0]
     assert record["timed_out"] and record["result"] == "error: the call timed out after 0.2 s"
@@ -324,7 +325,7 @@ def test_a_sync_function_tool_that_hangs_times_out():
         return "7"
 
     engine = ScriptedEngine()
-    runner = make_runner([FunctionTool(lookup)], timeouts={"lookup": 0.2})
+    runner = make_runner([FunctionTool(lookup)], timeouts={"lookup": 0.2}, max_tool_error_fraction=1.0)
 
     async def go():
         began = time.monotonic()
@@ -399,8 +400,12 @@ def test_states_closed_once_on_success_error_and_abort():
         raise ValueError("bad")
 
     failing = LookupLike(behavior=boom)
-    run(make_runner([failing]), [ScriptedEngine()], group_size=3)
+    run(make_runner([failing], max_tool_error_fraction=1.0), [ScriptedEngine()], group_size=3)
     failing.assert_closed_once(3)
+    stopped = LookupLike(behavior=boom)  # the failures stop the round: every state still closed once
+    with pytest.raises(ToolFailureError):
+        run(make_runner([stopped]), [ScriptedEngine()], group_size=3)
+    stopped.assert_closed_once(3)
 
     aborting = LookupLike()
     engine = ScriptedEngine(lambda s: ("7", "abort") if PLAIN_RESULT in s else CALL)

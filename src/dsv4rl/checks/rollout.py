@@ -3,9 +3,11 @@ format; `check_rollout_targets` also imports the tools and the environment (this
 
 from __future__ import annotations
 
+import inspect
+
 from dsv4rl.checks.problems import Add
 from dsv4rl.config.compose import reward_base_dirs
-from dsv4rl.config.schema import ChatFormat, Config, RolloutMode
+from dsv4rl.config.schema import ChatFormat, Config, RolloutMode, ToolConfig
 from dsv4rl.reward.targets import TargetError
 
 MODES = ", ".join(RolloutMode)
@@ -14,6 +16,10 @@ MODES = ", ".join(RolloutMode)
 def check_rollout(cfg: Config, add: Add) -> None:
     r = cfg.rollout
     mode = r.mode
+    if not 0.0 <= r.max_tool_error_fraction <= 1.0:
+        add(f"rollout.max_tool_error_fraction must be in [0, 1] (got {r.max_tool_error_fraction}): the share "
+            "of a step's calls of one tool that may fail (raise, or run past its timeout_s) before the run "
+            "stops; 0 stops at the first failure, 1 never stops (default 0.05)")  # fmt: skip
     if mode == RolloutMode.single_turn:
         if r.tools or r.env:
             add("rollout.tools / rollout.env are set but rollout.mode=single_turn runs neither: set "
@@ -38,6 +44,8 @@ def check_rollout(cfg: Config, add: Add) -> None:
         add(f"a turn may generate {per_turn} tokens but the whole trajectory only "
             f"rollout.max_total_tokens={r.max_total_tokens}: raise max_total_tokens or lower "
             "rollout.max_new_tokens_per_turn")  # fmt: skip
+    if mode == RolloutMode.tools:
+        check_sandbox_timeouts(r.tools, add)
     if cfg.data.chat_format == ChatFormat.deepseek_v4 and cfg.model.tokenizer == "arith_chars" and r.tools:
         add("rollout.mode=tools with data.chat_format=deepseek_v4 writes DSML calls, which the tiny "
             "character tokenizer cannot spell: use chat_format=none (the plain `?` call syntax) or "
@@ -59,3 +67,21 @@ def check_rollout_targets(cfg: Config, add: Add) -> None:
             load_env(r.env, dict(r.env_kwargs), dirs)
         except (TargetError, TypeError) as error:
             add(f"rollout.env: {error}")
+
+
+def check_sandbox_timeouts(tools: list[ToolConfig], add: Add) -> None:
+    """`builtin:python` kills the model's code at its own `kwargs.timeout_s` and answers the model (its
+    error); the rollout's `timeout_s` must leave it the time to, or the model's endless loops would count as
+    the tool's failures (rollout.max_tool_error_fraction)."""
+    from dsv4rl.tools.python_tool import PythonTool
+
+    default = inspect.signature(PythonTool).parameters["timeout_s"].default
+    for index, entry in enumerate(tools):
+        if entry.target != "builtin:python":
+            continue
+        sandbox = entry.kwargs.get("timeout_s", default)
+        if isinstance(sandbox, int | float) and sandbox >= entry.timeout_s:
+            add(f"rollout.tools[{index}]: builtin:python kills the model's code after kwargs.timeout_s="
+                f"{sandbox:g} but the rollout stops the call at timeout_s={entry.timeout_s:g}: the model's "
+                "slow code would count as the tool's failure (rollout.max_tool_error_fraction); set "
+                "timeout_s a few seconds above kwargs.timeout_s (its start and reaping)")  # fmt: skip

@@ -715,6 +715,9 @@ class RolloutConfig:
     tito_check: TitoCheck = TitoCheck.strict
     on_malformed_call: MalformedCall = MalformedCall.feedback
     max_concurrent_tools: int = 32  # tool calls in flight across all trajectories (the tool pool)
+    # More of a step's calls of one tool failed on the tool's side (it raised, or ran past its timeout_s; an
+    # environment's step raised): the run stops. The model's own errors (ToolResult(error=True)) do not count.
+    max_tool_error_fraction: float = 0.05
 
 
 @dataclass

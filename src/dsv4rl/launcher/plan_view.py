@@ -251,6 +251,7 @@ def rollout_plan(cfg: Config) -> dict[str, Any]:
         "max_new_tokens_per_turn": r.max_new_tokens_per_turn or cfg.algo.sampling.max_new_tokens,
         "max_total_tokens": r.max_total_tokens,
         "max_concurrent_tools": r.max_concurrent_tools,
+        "max_tool_error_fraction": r.max_tool_error_fraction,
     }
 
 
@@ -266,7 +267,8 @@ def _rollout_text(rollout: dict[str, Any]) -> str | None:
     lines = [
         f"rollout: {rollout['mode']} mode, {what}; a trajectory: at most {rollout['max_turns']} turn(s), "
         f"{rollout['max_tool_calls']} call(s), {rollout['max_total_tokens']} tokens "
-        f"({rollout['max_new_tokens_per_turn']} a turn); {rollout['max_concurrent_tools']} calls in flight"
+        f"({rollout['max_new_tokens_per_turn']} a turn); {rollout['max_concurrent_tools']} calls in flight; "
+        f"the run stops past {rollout['max_tool_error_fraction'] * 100:g}% failed calls of a tool in a step"
     ]
     for tool in rollout["tools"]:
         if "isolation" not in tool:

@@ -35,7 +35,9 @@ FIELDS = (
     "advantage", "weight_version",
 )  # fmt: skip
 # What a multi-turn record adds (dsv4rl.train.trajectory_records)
-TRAJECTORY_FIELDS = ("turns", "loss_mask", "tool_calls", "tool_errors", "tool_timeouts", "parse_errors")
+TRAJECTORY_FIELDS = (
+    "turns", "loss_mask", "tool_calls", "tool_errors", "tool_timeouts", "parse_errors", "tool_exceptions",
+)  # fmt: skip
 
 
 def rollouts_file(run_dir: str | Path, step: int) -> Path:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from dsv4rl.config.schema import MalformedCall, RolloutConfig, TruncateSide
 from dsv4rl.data.problems import Problem
+from dsv4rl.rollout.tool_failures import ToolFailure
 from dsv4rl.rollout.turn_format import AssistantTurn, ParsedCall, TurnFormat
 from dsv4rl.tools.base import Tool, ToolResult, as_tool_result, schema_problems
 
@@ -25,7 +26,8 @@ from dsv4rl.tools.base import Tool, ToolResult, as_tool_result, schema_problems
 @dataclass
 class EnvStep:
     """An environment's answer to one assistant turn. `finish` names why a done trajectory ended
-    (`stop`, `tool_budget`, `abort`); `calls` are the tool calls' records (ToolEnv)."""
+    (`stop`, `tool_budget`, `abort`); `calls` are the tool calls' records (ToolEnv); `runs` the calls that
+    ran, each its tool's name and its failure (None: the tool answered; `dsv4rl.rollout.tool_failures`)."""
 
     messages: list[dict[str, Any]] = field(default_factory=list)
     reward: float | None = None
@@ -33,6 +35,7 @@ class EnvStep:
     metrics: dict[str, float] = field(default_factory=dict)
     finish: str = "stop"
     calls: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[tuple[str, ToolFailure | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -137,8 +140,8 @@ class ToolEnv:
         limit = asyncio.Semaphore(max(1, self.cfg.max_parallel_calls))
         results = await asyncio.gather(*(self._run(state, call, limit) for call in turn.calls))
         counts.calls += len(turn.calls)
-        messages, rewards, records, done = [], [], [], False
-        for call, (result, seconds) in zip(turn.calls, results, strict=True):
+        messages, rewards, records, runs, done = [], [], [], [], False
+        for call, (result, seconds, failure) in zip(turn.calls, results, strict=True):
             text = self._truncate(result.text)
             messages.append(self.format.tool_message(call.id, text))
             if result.reward is not None:
@@ -147,6 +150,8 @@ class ToolEnv:
             counts.errors += int(result.error and call.error is None)
             counts.timeouts += int(result.timed_out)
             counts.time_s += seconds
+            if call.error is None:
+                runs.append((call.name, failure))
             records.append(
                 {
                     "id": call.id,
@@ -158,34 +163,42 @@ class ToolEnv:
                     "time_s": seconds,
                     "result": text,
                     **({"reward": result.reward} if result.reward is not None else {}),
+                    **({"exception": failure.record()} if failure is not None else {}),
                 }
             )
         metrics: dict[str, float] = {}
-        for result, _ in results:
+        for result, _, _ in results:
             for key, value in result.metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + float(value)
-        return EnvStep(messages, sum(rewards) if rewards else None, done, metrics, "stop", records)
+        rewarded = sum(rewards) if rewards else None
+        return EnvStep(messages, rewarded, done, metrics, "stop", records, runs)
 
     async def _run(
         self, state: ToolState, call: ParsedCall, limit: asyncio.Semaphore
-    ) -> tuple[ToolResult, float]:
+    ) -> tuple[ToolResult, float, ToolFailure | None]:
+        """One call: its result, its seconds, and its failure when the tool raised or ran past its
+        timeout_s (the model reads a short error result; the rollout counts, logs and records it)."""
         if call.error is not None:
-            return ToolResult(text=f"error: {call.error}", error=True), 0.0
+            return ToolResult(text=f"error: {call.error}", error=True), 0.0, None
         async with limit, self.pool:
             began = time.monotonic()
             timeout = self.timeouts.get(call.name, 30.0)
+            deadline = asyncio.timeout(timeout)
+            failure = None
             try:
-                value = await asyncio.wait_for(
-                    self.tools[call.name].call(state.states[call.name], dict(call.args)), timeout
-                )
+                async with deadline:
+                    value = await self.tools[call.name].call(state.states[call.name], dict(call.args))
                 result = as_tool_result(value)
-            except TimeoutError:
-                result = ToolResult(
-                    text=f"error: the call timed out after {timeout:g} s", error=True, timed_out=True
-                )
-            except Exception as error:  # noqa: BLE001  (a tool's exception is the model's error result)
-                result = ToolResult(text=f"error: {type(error).__name__}: {error}", error=True)
-            return result, time.monotonic() - began
+            except Exception as error:  # noqa: BLE001  (the tool's failure: an error result, counted)
+                what = f"tool {call.name!r}"
+                if isinstance(error, TimeoutError) and deadline.expired():
+                    failure = ToolFailure.timeout(call.name, what, timeout)
+                    text = f"error: the call timed out after {timeout:g} s"
+                else:
+                    failure = ToolFailure.raised(call.name, what, error)
+                    text = failure.model_text()
+                result = ToolResult(text=text, error=True, timed_out=failure.timed_out)
+            return result, time.monotonic() - began, failure
 
     def _truncate(self, text: str) -> str:
         ids = self.format.count_tokens(text)

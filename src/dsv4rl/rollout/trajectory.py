@@ -12,7 +12,12 @@ Budgets: `max_turns`, `max_tool_calls`, `max_new_tokens_per_turn` (each turn's c
 left of `max_total_tokens`, which counts the whole trajectory after the prompt, inserted tokens
 included). Every trajectory keeps why it ended: `stop` (a final answer, or the environment said done),
 `length` (a token budget), `max_turns`, `tool_budget`, `abort` (the engine aborted, a render that is not
-append-only under `tito_check=strict`, a malformed call under `on_malformed_call=terminate`).
+append-only under `tito_check=strict`, a malformed call under `on_malformed_call=terminate`, an
+environment whose step raised).
+
+A tool that raises or runs past its `timeout_s`, or an environment whose step raises, is the tool's failure,
+not the model's: counted, logged with its traceback, recorded, and bounded by
+`rollout.max_tool_error_fraction` (`dsv4rl.rollout.tool_failures`).
 
 Turns of different trajectories are sent together: `TurnBatcher` gathers the requests that arrive within
 a few milliseconds into one batched /generate per engine, so 512 trajectories do not make 512 calls.
@@ -21,6 +26,7 @@ a few milliseconds into one batched /generate per engine, so 512 trajectories do
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +39,7 @@ from dsv4rl.data.problems import Problem
 from dsv4rl.rollout.choices import ChoiceRequest
 from dsv4rl.rollout.env import EnvReset, EnvStep, ToolEnv
 from dsv4rl.rollout.generate import sample_seed, sampling_params
+from dsv4rl.rollout.tool_failures import ENV_NAME, FailureLog, StepFailures, ToolFailure
 from dsv4rl.rollout.turn_format import AssistantTurn, TurnFormat
 from dsv4rl.rollout.types import Sample, Trajectory, TurnRecord
 from dsv4rl.wire.choices import decode_rows
@@ -148,6 +155,17 @@ class TrajectoryRunner:
         self.eos_id = eos_id
         self.choices = choices or ChoiceRequest()
         self.per_turn = rollout.max_new_tokens_per_turn or sampling.max_new_tokens
+        self.failure_log = FailureLog()  # the run's: each tool's first failures in full, then counts
+
+    @property
+    def call_budget(self) -> int:
+        """The most calls a trajectory makes: tool calls (tools mode), environment steps (env mode)."""
+        return self.cfg.max_tool_calls if isinstance(self.env, ToolEnv) else self.cfg.max_turns
+
+    def step_failures(self, trajectories: int) -> StepFailures:
+        """The failure count of a round of `trajectories` trajectories."""
+        limit = self.cfg.max_tool_error_fraction
+        return StepFailures(limit, trajectories * self.call_budget, self.failure_log)
 
     @staticmethod
     def _turn_seed(seed: int | None, turn: int) -> int | None:
@@ -168,11 +186,18 @@ class TrajectoryRunner:
             return list(reset.messages), (reset.state if reset.state is not None else problem)
         return list(reset), problem
 
-    async def _step(self, state: Any, turn: AssistantTurn) -> EnvStep:
+    async def _step(self, state: Any, turn: AssistantTurn) -> tuple[EnvStep, ToolFailure | None]:
+        """The environment's answer to `turn`, and its failure when its step raised (the trajectory then
+        ends with finish reason abort: there is nothing to answer the model with)."""
         if isinstance(self.env, ToolEnv):
-            return await self.env.step_turn(state, turn)
-        step = await self.env.step(state, turn.message())
-        return step if isinstance(step, EnvStep) else EnvStep(**step)
+            return await self.env.step_turn(state, turn), None
+        try:
+            step = await self.env.step(state, turn.message())
+            step = step if isinstance(step, EnvStep) else EnvStep(**step)
+        except Exception as error:  # noqa: BLE001  (the environment's failure: counted, bounded, recorded)
+            failure = ToolFailure.raised(ENV_NAME, f"environment {self.cfg.env!r}", error)
+            return EnvStep(done=True, finish="abort", runs=[(ENV_NAME, failure)]), failure
+        return dataclasses.replace(step, runs=[(ENV_NAME, None), *step.runs]), None
 
     async def _close(self, state: Any) -> None:
         close = getattr(self.env, "close", None)
@@ -182,11 +207,20 @@ class TrajectoryRunner:
             except Exception as error:  # noqa: BLE001  (a failing close must not lose the trajectory)
                 log.warning("the environment's close raised %r", error)
 
-    async def run(self, batcher: TurnBatcher, problem: Problem, group: int, seed: int | None) -> Sample:
-        """One trajectory of `problem` (its environment state closed on every path)."""
+    async def run(
+        self,
+        batcher: TurnBatcher,
+        problem: Problem,
+        group: int,
+        seed: int | None,
+        failures: StepFailures | None = None,
+    ) -> Sample:
+        """One trajectory of `problem` (its environment state closed on every path). `failures`: the
+        round's tool failures (ToolFailureError once a tool fails more than the fraction allows)."""
+        failures = failures if failures is not None else self.step_failures(1)
         messages, state = await self._reset(problem)
         try:
-            return await self._run(batcher, problem, group, seed, messages, state)
+            return await self._run(batcher, problem, group, seed, messages, state, failures)
         finally:
             await self._close(state)
 
@@ -198,6 +232,7 @@ class TrajectoryRunner:
         seed: int | None,
         messages: list[dict],
         state: Any,
+        failures: StepFailures,
     ) -> Sample:
         rendered = self.format.encode(messages)  # the prompt: the first render (with the tool block)
         prompt = list(rendered)
@@ -236,8 +271,15 @@ class TrajectoryRunner:
                 finish = "max_turns"  # no turn left to read the results: the calls are not run
                 messages.append(self.format.assistant_message(turn))
                 break
-            step = await self._step(state, turn)
+            step, env_failure = await self._step(state, turn)
             record.calls, record.reward = step.calls, step.reward
+            if env_failure is not None:
+                record.exception = env_failure.record()
+            where = f"problem {problem.id}, turn {len(turns)}"
+            consequence = "the trajectory ends (abort)" if env_failure else "the model got an error result"
+            for name, failure in step.runs:
+                failures.ran(trajectory, name, failure, where, consequence)
+            failures.check()
             for key, value in step.metrics.items():
                 trajectory.metrics[key] = trajectory.metrics.get(key, 0.0) + value
             if step.done or not step.messages:  # a final answer: "length" when the cap cut it
@@ -275,6 +317,7 @@ class TrajectoryRunner:
             record.inserted_end = record.end + len(inserted)
             rendered = new
         self._count(trajectory, state)
+        failures.release(self.call_budget - sum(c.calls for c in trajectory.by_tool.values()))
         sample = Sample(
             group=group,
             prompt_ids=prompt,
@@ -334,6 +377,7 @@ async def generate_trajectories(
     """`group_size` trajectories of every problem, prompt-major; each engine serves a contiguous chunk of
     the prompts (as `generate_samples` does). `on_group` gets a prompt's samples once all are done."""
     asks = runner.choices.generate_kwargs()
+    failures = runner.step_failures(len(problems) * group_size)
     batchers = [TurnBatcher(client, asks) for client in clients]
     chunk = -(-len(problems) // len(clients))
     results: dict[int, list[Sample | None]] = {g: [None] * group_size for g in range(len(problems))}
@@ -341,7 +385,7 @@ async def generate_trajectories(
 
     async def one(group: int, index: int) -> None:
         sample_seed_ = None if seed is None else sample_seed(seed, group, index)
-        sample = await runner.run(batchers[group // chunk], problems[group], group, sample_seed_)
+        sample = await runner.run(batchers[group // chunk], problems[group], group, sample_seed_, failures)
         results[group][index] = sample
         left[group] -= 1
         if left[group] == 0 and on_group is not None:
@@ -354,7 +398,10 @@ async def generate_trajectories(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # every environment closed
+        runner.failure_log.flush()
         raise
+    runner.failure_log.flush()
+    failures.check()  # every trajectory is done: the exact fraction of each tool's calls
     return [sample for g in range(len(problems)) for sample in results[g]]
 
 
@@ -383,4 +430,10 @@ def trajectory_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     keys = sorted({key for t in trajectories for key in t.metrics})
     for key in keys:
         out[f"tool/{key}"] = sum(t.metrics.get(key, 0.0) for t in trajectories) / n
+    out["tool/exceptions"] = float(sum(t.tool_exceptions for t in trajectories))
+    for name in sorted({name for t in trajectories for name in t.by_tool}):
+        counts = [t.by_tool[name] for t in trajectories if name in t.by_tool]
+        out[f"tool/{name}/calls"] = float(sum(c.calls for c in counts))
+        out[f"tool/{name}/exceptions"] = float(sum(c.exceptions for c in counts))
+        out[f"tool/{name}/timeouts"] = float(sum(c.timeouts for c in counts))
     return out

@@ -20,6 +20,21 @@ class TurnRecord:
     finish_reason: str  # the engine's, for this turn
     calls: list[dict[str, Any]] = field(default_factory=list)  # each call: name, arguments, result, ...
     reward: float | None = None  # what the tools / environment gave this turn
+    exception: dict[str, str] | None = None  # the environment's step raised: type, message, traceback
+
+
+@dataclass
+class CallCounts:
+    """One tool's calls that ran (an environment's steps) and how many of them failed on the tool's side:
+    it raised, or ran past the rollout's `timeout_s` (`dsv4rl.rollout.tool_failures`)."""
+
+    calls: int = 0
+    exceptions: int = 0
+    timeouts: int = 0
+
+    @property
+    def failed(self) -> int:
+        return self.exceptions + self.timeouts
 
 
 @dataclass
@@ -36,6 +51,12 @@ class Trajectory:
     tito_mismatches: int = 0  # renders that were not append-only
     retokenized_turns: int = 0  # turns whose rendered tokens differ from the sampled ones (kept as sampled)
     metrics: dict[str, float] = field(default_factory=dict)  # the tools' / environment's own numbers
+    by_tool: dict[str, CallCounts] = field(default_factory=dict)  # per tool (`env`: the environment)
+
+    @property
+    def tool_exceptions(self) -> int:
+        """Calls whose tool raised (environment steps that raised)."""
+        return sum(counts.exceptions for counts in self.by_tool.values())
 
     @property
     def tool_rewards(self) -> list[float]:

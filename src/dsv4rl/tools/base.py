@@ -22,8 +22,11 @@ from typing import Any, Protocol, runtime_checkable
 class ToolResult:
     """What a call gives back: `text` goes to the model as the call's result; `reward` (optional) reaches
     the reward functions as a per-turn reward (`RewardInput.tool_rewards`); `done` ends the trajectory
-    after this turn's results; `metrics` (numbers) are averaged into `tool/<name>/<key>`. `error` marks a
-    failed call (a raised exception, a timeout, a killed process): the model still sees `text`."""
+    after this turn's results; `metrics` (numbers) are averaged into `tool/<key>`. `error` marks a
+    call the model got wrong (its code raised or ran too long, a bad argument): the model sees `text` and
+    learns from it (`tool/errors`). A tool that cannot do its job (its service is down, its sandbox cannot
+    start) raises instead: that is the tool's failure, bounded by rollout.max_tool_error_fraction
+    (dsv4rl.rollout.tool_failures)."""
 
     text: str
     reward: float | None = None
@@ -45,7 +48,8 @@ class Tool(Protocol):
         """The state of one trajectory (`sample`: the problem it answers)."""
 
     async def call(self, state: Any, args: dict[str, Any]) -> ToolResult:
-        """Run one call; raising is allowed (the rollout turns it into an error result)."""
+        """Run one call. Raise when the tool itself fails (the model gets a short error result, the run
+        counts and logs it); return `ToolResult(error=True)` for the model's own mistakes."""
 
     async def close(self, state: Any) -> None:
         """Release the trajectory's state; called exactly once per `open`."""

@@ -6,10 +6,13 @@ can show each turn with its inserted span marked and a reader can check the loss
 
 - `turns`: per assistant turn its token span (`start`, `end`: the model's; `end`..`inserted_end`: inserted),
   the model's `text`, the `inserted` text, the engine's `finish_reason`, its `calls` (name, arguments,
-  result, error, timed_out, time_s, ...) and the `reward` the tools or the environment gave it;
+  result, error, timed_out, time_s, ...; `exception: {type, message, traceback}` where the tool raised or
+  ran past its timeout_s) and the `reward` the tools or the environment gave it (`exception` on the turn:
+  the environment's step raised);
 - `loss_mask`: the mask as runs `[start, end, mask]` over `response_ids` (a few runs instead of one float
   per token);
-- `tool_calls`, `tool_errors`, `tool_timeouts`, `parse_errors`: the trajectory's counts.
+- `tool_calls`, `tool_errors`, `tool_timeouts`, `parse_errors`, `tool_exceptions`: the trajectory's counts
+  (`tool_exceptions`: calls whose tool raised, environment steps that raised).
 
 Texts are decoded from the ids when the caller passes `decode` (exact, template tokens included); without
 it they come from the conversation's messages (what the turn said and what answered it).
@@ -91,6 +94,7 @@ def trajectory_fields(sample: Sample, decode: Decode | None = None) -> dict[str,
                 "finish_reason": turn.finish_reason,
                 "calls": _json_safe(turn.calls),
                 "reward": turn.reward,
+                **({"exception": _json_safe(turn.exception)} if turn.exception is not None else {}),
             }
         )
     mask = sample.loss_mask if sample.loss_mask is not None else [1.0] * len(ids)
@@ -101,4 +105,5 @@ def trajectory_fields(sample: Sample, decode: Decode | None = None) -> dict[str,
         "tool_errors": trajectory.tool_errors,
         "tool_timeouts": trajectory.tool_timeouts,
         "parse_errors": trajectory.parse_errors,
+        "tool_exceptions": trajectory.tool_exceptions,
     }
