@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
 import subprocess
 import sys
@@ -11,6 +14,7 @@ import pytest
 from test_train_cpu import port_overrides
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
 
 KEYS = ("mean_abs_diff", "p50_abs_diff", "p95_abs_diff", "p99_abs_diff", "max_abs_diff", "tokens", "quant")
 
@@ -44,3 +48,35 @@ def test_align_in_every_quant_mode(tmp_path: Path) -> None:
         assert 1e-5 < reports[quant]["mean_abs_diff"] < 0.09, (quant, reports[quant]["mean_abs_diff"])
     # coarser formats, larger differences
     assert reports["bf16"]["mean_abs_diff"] < reports["fp8_rollout"]["mean_abs_diff"]
+    gpu_check_reads_the_reports(tmp_path / "gpu_check", reports)
+
+
+def gpu_check_reads_the_reports(out: Path, reports: dict[str, dict]) -> None:
+    """launch/gpu_check.sh judges a push on what `dsv4rl align --json` printed: these honest pushes into the
+    reference engine pass, each figure read from the report and shown beside its bound."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check_summary", ROOT / "launch" / "gpu_check_summary.py"
+    )
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    (out / "trainer").mkdir(parents=True)
+    trainer = {"ok": True, **{key: {"ok": True} for key in summary.TRAINER_CHECKS}}
+    (out / "trainer" / "trainer.json").write_text(json.dumps(trainer))
+    (out / "trainer.rc").write_text("0\n")
+    for quant, report in reports.items():
+        (out / f"colocated_push.{quant}.json").write_text(json.dumps(report, indent=2))
+        (out / f"colocated_push.{quant}.rc").write_text("0\n")
+    argv = ["summary", str(out), "--gpus", "1", "--device", "cpu", "--cluster-device", "cpu",
+            "--comm", "cpu_gloo", "--shape", "tiny", "--sglang", "-", "--engines", "1",
+            "--formats", *reports]  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()) as stdout, contextlib.redirect_stderr(io.StringIO()):
+        code = summary.main(argv)
+    result = json.loads(stdout.getvalue())
+    assert code == 0 and result["ok"], result
+    for check in result["checks"][1:]:
+        report = reports[check["format"]]
+        assert check["status"] == "passed" and check["bounds"] == summary.LOGPROB_BOUNDS[check["format"]]
+        assert (check["figures"]["logprob_mean_abs_diff"], check["figures"]["logprob_max_abs_diff"]) == (
+            report["mean_abs_diff"],
+            report["max_abs_diff"],
+        )

@@ -221,6 +221,7 @@ def test_gpu_check_dry_run_prints_the_checks_for_one_and_two_gpus_and_the_schema
         else:
             assert check["path"].startswith("disaggregated:") and "NCCL/RCCL" in check["path"]
             assert placed == ("broadcast", "0..0", "1")
+        assert check["bounds"] == report["logprob_bounds"][check["format"]], name
         if name.endswith("fp8_rollout"):  # the reference recipe's format, from a release-format checkpoint
             assert check["engine_env"]["SGLANG_DSV4_FP4_DEQUANT"] == "1"
             assert "SGLANG_DSV4_FP4_EXPERTS" not in check["engine_env"]
@@ -237,7 +238,8 @@ def test_the_summary_is_one_json_object_of_the_schema(tmp_path: Path) -> None:
     and what was skipped and why."""
     summary = gpu_check_summary_module()
     (tmp_path / "trainer").mkdir()
-    (tmp_path / "trainer" / "trainer.json").write_text(json.dumps({"ok": True, "device": "NVIDIA H200"}))
+    trainer = {"ok": True, "device": "NVIDIA H200", **{key: {"ok": True} for key in summary.TRAINER_CHECKS}}
+    (tmp_path / "trainer" / "trainer.json").write_text(json.dumps(trainer))
     (tmp_path / "trainer.rc").write_text("0\n")
     align = {
         "mean_abs_diff": 0.004,
@@ -265,6 +267,9 @@ def test_the_summary_is_one_json_object_of_the_schema(tmp_path: Path) -> None:
         "logprob_mean_abs_diff": 0.004, "logprob_p99_abs_diff": 0.02, "logprob_max_abs_diff": 0.05,
         "tokens": 512,
     }  # fmt: skip
+    assert [checks[name]["status"] for name in checks] == ["passed", "passed", "failed"]
+    assert checks["colocated_push.fp8_rollout"]["bounds"] == summary.LOGPROB_BOUNDS["fp8_rollout"]
+    assert checks["colocated_push.bf16"]["error"][0] == "dsv4rl align exited 1"
     assert checks["colocated_push.bf16"]["error"][-1] == "RuntimeError: CUDA error"
     assert [s["name"] for s in report["skipped"]] == ["broadcast_push.fp8_rollout", "broadcast_push.bf16"]
     assert report["skipped"][0]["why"] == "needs 2 GPU(s), 1 visible"
@@ -278,7 +283,13 @@ def test_gpu_check_without_sglang_checks_the_trainer_and_says_sglang_was_not(tmp
     result = subprocess.run(["bash", str(GPU_CHECK)], capture_output=True, text=True, env=env, timeout=600)
     report = json.loads(result.stdout)
     assert result.returncode == 0 and report["ok"], result.stdout + result.stderr
-    assert [c["name"] for c in report["checks"]] == ["trainer"] and report["checks"][0]["figures"]["ok"]
+    assert [c["name"] for c in report["checks"]] == ["trainer"] and report["checks"][0]["status"] == "passed"
+    figures = report["checks"][0]["figures"]  # each of its checks measured, under the bounds it names
+    assert (
+        figures["bf16_parity"]["bfloat16"]["median_abs_diff"]
+        < figures["bf16_parity"]["bounds"]["bfloat16_median_abs_diff"]
+    )
+    assert figures["nonfinite_skip"]["max_abs_diff_to_unskipped_bound"] > 0
     skipped = {s["name"]: s["why"] for s in report["skipped"]}
     assert "no SGLang interpreter" in skipped["colocated_push.fp8_rollout"]
     assert skipped["broadcast_push.bf16"] == "needs 2 GPU(s), 1 visible"

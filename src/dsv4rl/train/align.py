@@ -5,6 +5,10 @@ engines through the real weight sync (quantized on send as the recipe says), let
 responses, recomputes the log-prob of every sampled token with the trainer on exactly the same tokens,
 and writes the distribution of |trainer - engine| to `<run dir>/align.json` (rank 0). This is the
 train-vs-rollout mismatch a GRPO step sees right after a sync; TIS/MIS correct for it.
+
+After the push `sync.verify.checksum` is checked as in training. `sync.verify.logprob_probe` is not run:
+the report is the same measurement (trainer against engine log-probs of the same tokens, after the push)
+on the tokens the engine sampled, with its mean and max; `launch/gpu_check.sh` bounds those.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dsv4rl.data.stream import PromptStream
 from dsv4rl.rollout.generate import generate_samples, rollout_seed
 from dsv4rl.rollout.types import Sample
 from dsv4rl.sync.stages import StagedWeightSync
+from dsv4rl.sync.weight_sync import SyncStats
 from dsv4rl.train.backend import TrainerBackend
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.loop import Driver
@@ -87,6 +92,55 @@ def worst_tokens(
     return out
 
 
+def align_report(
+    cfg: Config,
+    batch: TrainBatch,
+    trainer: torch.Tensor,
+    stats: SyncStats,
+    engines: list[str],
+    tokenizer: Any,
+) -> dict[str, Any]:
+    """The report of one align run: |trainer - engine| over the response tokens of `batch` (the engine's
+    log-probs are its `rollout_logprobs`), the settings that shaped it and the push it followed."""
+    sampling = align_sampling(cfg)
+    return {
+        "quant": cfg.quant.name.value,
+        # how the engine rounds (reference engine: exact or SGLang's emulated points) and the trainer does
+        "numerics": {
+            "engine": cfg.engine.numerics.value,
+            "engine_features": None
+            if cfg.engine.numerics_features is None
+            else [str(f) for f in cfg.engine.numerics_features],
+            "fp32_lm_head": cfg.engine.fp32_lm_head,
+            **{f"train_{f.name}": getattr(cfg.train.numerics, f.name) for f in fields(cfg.train.numerics)},
+        },
+        **abs_diff_summary(trainer, batch.rollout_logprobs, batch.loss_mask),
+        "responses": batch.size,
+        "prompts": cfg.align.prompts,
+        "samples_per_prompt": cfg.align.samples_per_prompt,
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "engines": engines,
+        "sync": {
+            "bytes": stats.bytes,
+            "seconds": stats.seconds,
+            "buckets": stats.buckets,
+            "tensors": stats.tensors,
+            "transport": stats.transport.value,  # broadcast (a process group) or tensor (colocated handles)
+        },
+        "worst_tokens": worst_tokens(batch, trainer, tokenizer, cfg.align.worst_tokens),
+    }
+
+
+def write_report(run_dir: Path, report: dict[str, Any]) -> Path:
+    """`<run_dir>/align.json`, replaced whole: a reader never sees half a report."""
+    path = run_dir / REPORT_FILE
+    partial = path.with_name(f".{REPORT_FILE}.tmp")
+    partial.write_text(json.dumps(report, indent=2) + "\n")
+    partial.replace(path)
+    return path
+
+
 def run_align(
     cfg: Config, backend: TrainerBackend, driver: Driver | None, weight_sync: StagedWeightSync, run_dir: Path
 ) -> dict | None:
@@ -105,37 +159,9 @@ def run_align(
     trainer = backend.compute_logprobs(batch.input_ids, temperature=sampling.temperature).float().cpu()
     if driver is None:
         return None
-    report = {
-        "quant": cfg.quant.name.value,
-        # how the engine rounds (reference engine: exact or SGLang's emulated points) and the trainer does
-        "numerics": {
-            "engine": cfg.engine.numerics.value,
-            "engine_features": None
-            if cfg.engine.numerics_features is None
-            else [str(f) for f in cfg.engine.numerics_features],
-            "fp32_lm_head": cfg.engine.fp32_lm_head,
-            **{f"train_{f.name}": getattr(cfg.train.numerics, f.name) for f in fields(cfg.train.numerics)},
-        },
-        **abs_diff_summary(trainer, batch.rollout_logprobs, batch.loss_mask),
-        "responses": batch.size,
-        "prompts": cfg.align.prompts,
-        "samples_per_prompt": cfg.align.samples_per_prompt,
-        "max_new_tokens": sampling.max_new_tokens,
-        "temperature": sampling.temperature,
-        "engines": [client.base_url for client in driver.clients],
-        "sync": {
-            "bytes": stats.bytes,
-            "seconds": stats.seconds,
-            "buckets": stats.buckets,
-            "tensors": stats.tensors,
-            "transport": stats.transport.value,  # broadcast (a process group) or tensor (colocated handles)
-        },
-        "worst_tokens": worst_tokens(batch, trainer, driver.tokenizer, cfg.align.worst_tokens),
-    }
-    path = run_dir / REPORT_FILE
-    partial = path.with_name(f".{REPORT_FILE}.tmp")
-    partial.write_text(json.dumps(report, indent=2) + "\n")
-    partial.replace(path)
+    engines = [client.base_url for client in driver.clients]
+    report = align_report(cfg, batch, trainer, stats, engines, driver.tokenizer)
+    write_report(run_dir, report)
     log.info(
         "align (quant=%s): mean |trainer - engine| log-prob %.3g over %d tokens (p99 %.3g, max %.3g)",
         *(report["quant"], report["mean_abs_diff"], report["tokens"], report["p99_abs_diff"]),

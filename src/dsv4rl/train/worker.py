@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         weight_sync = build_weight_sync(cfg, backend, clients)
         connect(cfg, weight_sync, driver, model_path)
         if args.task == Task.align:
+            # align measures trainer against engine log-probs after its push itself: no probe (train/align.py)
             # `--attribute`: one engine start's share of the attribution grid (dsv4rl.train.attribute)
             task = run_align if cfg.align.attribute is None else run_attribution
             task(cfg, backend, driver, weight_sync, run_dir)
