@@ -78,3 +78,10 @@ def test_the_rollouts_timeout_leaves_the_python_sandbox_its_own() -> None:
     )
     assert any("kwargs.timeout_s=10 but the rollout stops the call at timeout_s=5" in p for p in found), found
     assert problems("tiny_tool", f"rollout.tools=[{python % (15, 10)}]", check_paths=False) == []
+
+
+def test_an_untrusted_python_tool_without_isolation_is_refused_at_validation() -> None:
+    python = "{target: 'builtin:python', timeout_s: 15, kwargs: {timeout_s: 10, isolation: %s}}"
+    found = problems("tiny_tool", f"rollout.tools=[{python % 'rlimits'}]")
+    assert any("isolation=rlimits" in p and "trust_model_code: true" in p for p in found), found
+    assert problems("tiny_tool", f"rollout.tools=[{python % 'auto'}]") == []  # this machine isolates

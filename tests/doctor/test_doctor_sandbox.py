@@ -15,11 +15,25 @@ from dsv4rl.doctor.verdict import Status
 from dsv4rl.tools.sandbox.isolation import SandboxFacts
 
 STATE = json.loads((Path(__file__).parent / "states" / "cpu_only.json").read_text())
-CONTAINER = SandboxFacts(root=True, namespaces=False, namespaces_error="unshare: Operation not permitted",
-                         landlock_abi=0, seccomp=True, rlimits_works=True, cgroup=None,
-                         cgroup_error="read-only /sys/fs/cgroup")  # fmt: skip
-HOST = SandboxFacts(root=True, namespaces=True, landlock_abi=7, seccomp=True, landlock_works=True,
-                    rlimits_works=True, cgroup="cgroup v1 (/sys/fs/cgroup/memory/job, /sys/fs/cgroup/pids/job)")  # fmt: skip
+CONTAINER = SandboxFacts(
+    root=True,
+    namespaces=False,
+    namespaces_error="unshare: Operation not permitted",
+    landlock_abi=0,
+    seccomp=True,
+    rlimits_works=True,
+    cgroup=None,
+    cgroup_error="read-only /sys/fs/cgroup",
+)
+HOST = SandboxFacts(
+    root=True,
+    namespaces=True,
+    landlock_abi=7,
+    seccomp=True,
+    landlock_works=True,
+    rlimits_works=True,
+    cgroup="cgroup v1 (/sys/fs/cgroup/memory/job, /sys/fs/cgroup/pids/job)",
+)
 
 
 def sandbox_row(facts: SandboxFacts | None, *overrides: str, recipe: str | None = None):

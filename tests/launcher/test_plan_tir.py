@@ -27,7 +27,8 @@ def test_tir_is_dapo_math_with_the_python_tool(tir: Config) -> None:
     dapo = compose("dapo_math", ADDRS)
     r = tir.rollout
     assert r.mode == RolloutMode.tools and [t.target for t in r.tools] == ["builtin:python"]
-    assert r.tools[0].kwargs == {"timeout_s": 10.0, "memory_mb": 2048} and r.tools[0].timeout_s > 10.0
+    assert r.tools[0].kwargs == {"isolation": "auto", "timeout_s": 10.0, "memory_mb": 2048, "max_processes": 8}
+    assert r.tools[0].timeout_s > 10.0
     assert (r.max_turns, r.max_tool_calls, r.max_tool_output_tokens) == (8, 8, 1024)
     assert r.truncate_side == TruncateSide.middle and r.max_concurrent_tools >= 1
     # the whole trajectory fits dapo_math's response cap: the sequence budget (and memory) is unchanged
@@ -61,6 +62,12 @@ def test_plan_all_nodes_matches_dapo_math() -> None:
     assert tir["rollout"]["mode"] == "tools" and dapo["rollout"]["mode"] == "single_turn"
     assert [tool["target"] for tool in tir["rollout"]["tools"]] == ["builtin:python"]
     assert tir["rollout"]["max_tool_error_fraction"] == 0.05
+    # the isolation this node gives the tool, every guarantee with its layer, and the bound per call
+    (python,) = tir["rollout"]["tools"]
+    assert python["isolation"] in ("namespaces", "landlock")
+    assert set(python["layers"]) == {"files", "network", "processes", "privileges", "cleanup", "memory"}
+    assert python["memory_mb"] == 2048 and python["max_processes"] in (1, 8)
+    assert python["node_memory_mb"] == 2048 * tir["rollout"]["max_concurrent_tools"]
     # the tool block makes prompts longer: the step-time estimate counts it
     assert (
         tir["step_time"]["assumptions"]["mean_prompt_tokens"]

@@ -29,7 +29,9 @@ SECRET_ENV = "DSV4RL_ENGINE_ADMIN_API_KEY"
 MARKER = "dsv4rl-hostile"  # the comm name a survivor takes, so that the harness can find it
 
 LIBC = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-READ = LIBC + """
+READ = (
+    LIBC
+    + """
 def read(path):
     fd = libc.open(path.encode(), 0)
     if fd < 0:
@@ -39,44 +41,66 @@ def read(path):
     libc.close(fd)
     return buf.raw[:max(n, 0)].decode("latin-1")
 """
+)
+
+SOCK = (
+    LIBC
+    + """
+import struct
+def inet(port):
+    raw = struct.pack("<H", 2) + struct.pack("!H", port) + bytes([127, 0, 0, 1]) + bytes(8)
+    return ctypes.create_string_buffer(raw, 16)
+"""
+)
 
 PROGRAMS: dict[str, str] = {
     # files the trainer's user (root, or the unprivileged uid) can read, outside the scratch directory
     "read_secret_file": READ + "print(read({secret_file!r}))",
     "read_shadow": READ + "print(read('/etc/shadow'))",
     "read_engine_keys": READ + "print(read({keys_file!r}))",
-    "read_trainer_environ": READ + "print(read('/proc/{trainer_pid}/environ'))\nprint(read('/proc/%d/environ' % os.getppid()))",
-    "list_trainer_dir": LIBC + "fd = libc.open({secret_dir!r}.encode(), 0o200000)\nprint(fd, os.listdir(fd) if fd >= 0 else '')",
+    "read_trainer_environ": READ
+    + "print(read('/proc/{trainer_pid}/environ'))\nprint(read('/proc/%d/environ' % os.getppid()))",
+    "list_trainer_dir": LIBC
+    + "fd = libc.open({secret_dir!r}.encode(), 0o200000)\nprint(fd, os.listdir(fd) if fd >= 0 else '')",
     # writes outside the scratch directory
-    "write_host_tmp": LIBC + "fd = libc.open({host_tmp_file!r}.encode(), 0o101, 0o644)\nprint('fd', fd)\nlibc.write(fd, b'x', 1)",
-    "write_trainer_dir": LIBC + "fd = libc.open({trainer_dir_file!r}.encode(), 0o101, 0o644)\nprint('fd', fd)",
+    "write_host_tmp": LIBC
+    + "fd = libc.open({host_tmp_file!r}.encode(), 0o101, 0o644)\nprint('fd', fd)\nlibc.write(fd, b'x', 1)",
+    "write_trainer_dir": LIBC
+    + "fd = libc.open({trainer_dir_file!r}.encode(), 0o101, 0o644)\nprint('fd', fd)",
     # the network, loopback included, TCP, UDP and unix sockets (ctypes: no audit hook)
-    "tcp_loopback": LIBC + """
-class Addr(ctypes.Structure):
-    _fields_ = [("family", ctypes.c_ushort), ("port", ctypes.c_ushort), ("addr", ctypes.c_uint32), ("zero", ctypes.c_char * 8)]
+    "tcp_loopback": SOCK
+    + """
 fd = libc.socket(2, 1, 0)
 print("socket", fd, ctypes.get_errno())
-addr = Addr(2, socket_port, 0x0100007F)
-print("connect", libc.connect(fd, ctypes.byref(addr), 16), ctypes.get_errno())
+print("connect", libc.connect(fd, inet({tcp_port}), 16), ctypes.get_errno())
 libc.write(fd, b"POST /update_weights_from_tensor HTTP/1.1\\r\\n\\r\\n", 44)
-""".replace("socket_port", "int.from_bytes(({tcp_port}).to_bytes(2, 'big'), 'little')"),
-    "udp_loopback": LIBC + """
-class Addr(ctypes.Structure):
-    _fields_ = [("family", ctypes.c_ushort), ("port", ctypes.c_ushort), ("addr", ctypes.c_uint32), ("zero", ctypes.c_char * 8)]
-fd = libc.socket(2, 2, 0)
-addr = Addr(2, int.from_bytes(({udp_port}).to_bytes(2, 'big'), 'little'), 0x0100007F)
-print("sendto", fd, libc.sendto(fd, b"hello", 5, 0, ctypes.byref(addr), 16), ctypes.get_errno())
 """,
-    "unix_socket": LIBC + """
-import struct
+    "udp_loopback": SOCK
+    + """
+fd = libc.socket(2, 2, 0)
+print("sendto", fd, libc.sendto(fd, b"hello", 5, 0, inet({udp_port}), 16), ctypes.get_errno())
+""",
+    "unix_socket": SOCK
+    + """
 for path in ({unix_path!r}.encode(), b"\\0" + {abstract_name!r}.encode()):
     fd = libc.socket(1, 1, 0)
     addr = struct.pack("H", 1) + path
-    print("connect", fd, libc.connect(fd, ctypes.create_string_buffer(addr, len(addr)), len(addr)), ctypes.get_errno())
+    done = libc.connect(fd, ctypes.create_string_buffer(addr, len(addr)), len(addr))
+    print("connect", fd, done, ctypes.get_errno())
 """,
     # other processes: signals and ptrace of the trainer
-    "signal_trainer": LIBC + "print(libc.kill({trainer_pid}, 10), libc.kill(os.getppid(), 10), ctypes.get_errno())",
-    "ptrace_trainer": LIBC + "r = libc.ptrace(16, {trainer_pid}, 0, 0)\nprint('attach', r, ctypes.get_errno())\nif r == 0:\n    libc.ptrace(17, {trainer_pid}, 0, 0)",
+    "signal_trainer": LIBC
+    + "print(libc.kill({trainer_pid}, 10), libc.kill(os.getppid(), 10), ctypes.get_errno())",
+    "ptrace_trainer": LIBC
+    + """
+r = libc.ptrace(16, {trainer_pid}, 0, 0)
+print("attach", r, ctypes.get_errno())
+if r == 0:
+    libc.ptrace(17, {trainer_pid}, 0, 0)
+""",
+    # io_uring opens sockets and files without the syscalls a filter watches
+    "io_uring": LIBC
+    + "params = ctypes.create_string_buffer(120)\nprint('io_uring fd', libc.syscall(425, 4, params))",
     # resources: children that together hold more than memory_mb, and a process that outlives its call
     "fork_and_allocate": """
 import os, time
@@ -103,7 +127,8 @@ alive = [p for p in held if os.waitpid(p, os.WNOHANG)[0] == 0]
 got = len(os.read(r, 64)) if held else 0
 print("holding", min(len(alive), got))
 """,
-    "double_fork_survivor": LIBC + f"""
+    "double_fork_survivor": LIBC
+    + f"""
 import time
 if os.fork() == 0:
     os.setsid()
@@ -171,12 +196,19 @@ class Trainer:
         self.host_tmp_file = f"/tmp/{MARKER}-{secrets.token_hex(6)}"
         self.trainer_dir_file = str(secret_dir / "planted.txt")
         self.context = {
-            "secret_file": str(secret_dir / "secret.txt"), "secret_dir": str(secret_dir),
-            "keys_file": str(self.keys_file), "trainer_pid": os.getpid(), "tcp_port": self.tcp.getsockname()[1],
-            "udp_port": self.udp.getsockname()[1], "unix_path": self.unix_path,
-            "abstract_name": self.abstract_name, "host_tmp_file": self.host_tmp_file,
-            "trainer_dir_file": self.trainer_dir_file, "children": 4, "child_mb": 150,
-        }  # fmt: skip
+            "secret_file": str(secret_dir / "secret.txt"),
+            "secret_dir": str(secret_dir),
+            "keys_file": str(self.keys_file),
+            "trainer_pid": os.getpid(),
+            "tcp_port": self.tcp.getsockname()[1],
+            "udp_port": self.udp.getsockname()[1],
+            "unix_path": self.unix_path,
+            "abstract_name": self.abstract_name,
+            "host_tmp_file": self.host_tmp_file,
+            "trainer_dir_file": self.trainer_dir_file,
+            "children": 4,
+            "child_mb": 150,
+        }
 
     def _signalled(self, *_):
         self.signals += 1
@@ -216,6 +248,8 @@ class Trainer:
         time.sleep(0.05)
         if self.signals:
             return f"signalled the trainer ({self.signals})"
+        if "io_uring fd " in text and not text.split("io_uring fd ")[1].startswith("-"):
+            return "set up an io_uring"
         if "attach 0 " in text:
             return "ptrace-attached to the trainer"
         if name == "fork_and_allocate":
@@ -232,8 +266,14 @@ async def _run_all(trainer: Trainer, isolation: str, python: str | None) -> dict
 
     memory_mb = 256
     isolation, _, trust = isolation.partition("+")  # rlimits+trust: the mode that isolates nothing
-    tool = PythonTool(timeout_s=8, memory_mb=memory_mb, max_processes=16, isolation=isolation, python=python,
-                      trust_model_code=trust == "trust")  # fmt: skip
+    tool = PythonTool(
+        timeout_s=8,
+        memory_mb=memory_mb,
+        max_processes=16,
+        isolation=isolation,
+        python=python,
+        trust_model_code=trust == "trust",
+    )
     report = {"_plan": tool.describe(), "_max_processes": tool.max_processes}
     for name, template in PROGRAMS.items():
         state = await tool.open(None)

@@ -19,8 +19,15 @@ from dsv4rl.tools.sandbox.isolation import (
 )
 
 CGROUP = "cgroup v1 (/sys/fs/cgroup/memory/job, /sys/fs/cgroup/pids/job)"
-FULL = SandboxFacts(root=True, namespaces=True, landlock_abi=7, seccomp=True, landlock_works=True,
-                    rlimits_works=True, cgroup=CGROUP)  # fmt: skip
+FULL = SandboxFacts(
+    root=True,
+    namespaces=True,
+    landlock_abi=7,
+    seccomp=True,
+    landlock_works=True,
+    rlimits_works=True,
+    cgroup=CGROUP,
+)
 NO_NAMESPACES = replace(FULL, namespaces=False, namespaces_error="unshare: Operation not permitted")
 
 
@@ -51,9 +58,15 @@ def test_auto_refuses_when_nothing_isolates_naming_what_is_missing_and_the_fixes
     "facts,missing",
     [
         (replace(NO_NAMESPACES, landlock_abi=2), "Landlock ABI 3+"),
-        (replace(NO_NAMESPACES, seccomp=False, seccomp_error="pip install pyseccomp"), "pip install pyseccomp"),
+        (
+            replace(NO_NAMESPACES, seccomp=False, seccomp_error="pip install pyseccomp"),
+            "pip install pyseccomp",
+        ),
         (replace(NO_NAMESPACES, root=False, landlock_abi=4), "signals from the trainer"),
-        (replace(NO_NAMESPACES, landlock_works=False, landlock_error="No module named 'resource'"), "resource"),
+        (
+            replace(NO_NAMESPACES, landlock_works=False, landlock_error="No module named 'resource'"),
+            "resource",
+        ),
     ],
 )
 def test_landlock_lacking_a_layer_is_refused(facts, missing):
@@ -71,7 +84,9 @@ def test_landlock_without_root_needs_scoping_and_then_holds():
 
 def test_without_a_cgroup_a_call_is_held_to_one_process_and_the_plan_says_so():
     as_root = plan_isolation(replace(FULL, cgroup=None, cgroup_error="read-only"), "auto", False, 64)
-    assert as_root.max_processes == 1 and not as_root.allow_fork and "RLIMIT_NPROC" in as_root.layers["memory"]
+    assert (
+        as_root.max_processes == 1 and not as_root.allow_fork and "RLIMIT_NPROC" in as_root.layers["memory"]
+    )
     assert "forced from 64 to 1" in as_root.describe() and "read-only" in as_root.describe()
     user = replace(FULL, root=False, cgroup=None)
     plan = plan_isolation(user, "auto", False, 64)
@@ -114,8 +129,9 @@ except Exception as error:
 
 
 def locked_node(*args: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", LOCKED_NODE, *args], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", LOCKED_NODE, *args], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
 
@@ -124,7 +140,10 @@ def test_auto_refuses_on_a_node_without_namespaces_or_landlock():
     outcome = locked_node("no-landlock")
     assert "refused" in outcome, outcome
     assert outcome["refused"].startswith("IsolationUnavailable")
-    assert "namespaces: namespaces do not work here" in outcome["refused"] and "no Landlock" in outcome["refused"]
+    assert (
+        "namespaces: namespaces do not work here" in outcome["refused"]
+        and "no Landlock" in outcome["refused"]
+    )
 
 
 @pytest.mark.skipif(not os.path.exists("/usr/bin/python3"), reason="needs an interpreter every uid can read")

@@ -26,8 +26,8 @@ def _isolations() -> list:
     landlock_python = SYSTEM_PYTHON if os.geteuid() == 0 and os.path.exists(SYSTEM_PYTHON) else None
     facts = sandbox_facts(landlock_python) if landlock_python or os.geteuid() else None
     works = facts is not None and facts.landlock_works
-    modes.append(pytest.param("landlock", landlock_python, id="landlock",
-                              marks=pytest.mark.skipif(not works, reason="landlock does not work here")))  # fmt: skip
+    skip = pytest.mark.skipif(not works, reason="landlock does not work here")
+    modes.append(pytest.param("landlock", landlock_python, id="landlock", marks=skip))
     return modes
 
 

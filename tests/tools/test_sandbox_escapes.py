@@ -20,8 +20,11 @@ pytestmark = pytest.mark.slow
 
 
 def run_harness(specs: list[str], tmp_path: Path, unprivileged: bool) -> dict:
-    env = {**os.environ, "DSV4RL_ENGINE_ADMIN_API_KEY": "admin-" + os.urandom(8).hex(),
-           "HF_TOKEN": "hf_" + os.urandom(8).hex()}  # fmt: skip
+    env = {
+        **os.environ,
+        "DSV4RL_ENGINE_ADMIN_API_KEY": "admin-" + os.urandom(8).hex(),
+        "HF_TOKEN": "hf_" + os.urandom(8).hex(),
+    }
     argv = [sys.executable, str(HOSTILE), *specs]
     if unprivileged:
         os.chown(tmp_path, UID, UID)
@@ -62,7 +65,10 @@ def test_hostile_programs_as_root(tmp_path):
         if "_refused" in programs:
             continue
         escaped = {n for n, o in programs.items() if not n.startswith("_") and o["escaped"]}
-        assert {"tcp_loopback", "udp_loopback", "unix_socket", "write_host_tmp"} <= escaped, (spec, escaped)
+        assert {"tcp_loopback", "udp_loopback", "unix_socket", "write_host_tmp", "io_uring"} <= escaped, (
+            spec,
+            escaped,
+        )
 
 
 def test_hostile_programs_as_an_unprivileged_uid(tmp_path):

@@ -274,7 +274,9 @@ def test_class_whose_constructor_raises(base):
 
 def test_builtin_with_a_bad_kwarg_value(base):
     message = error_of([ToolConfig(target="builtin:python", kwargs={"isolation": "docker"})], base)
-    assert "isolation='docker' is unknown; choose one of auto, namespaces, landlock, remote, rlimits" in message
+    assert (
+        "isolation='docker' is unknown; choose one of auto, namespaces, landlock, remote, rlimits" in message
+    )
     assert "builtin:python" in message
 
 

@@ -52,7 +52,13 @@ def unprivileged_argv(argv: list[str], workdir: str, uid: int = UID) -> list[str
         for child in sorted(children):
             inside = shlex.quote(f"{directory}/{child}")
             lines.append(f"mkdir -p {inside} && mount --bind {keep}/{shlex.quote(child)} {inside}")
-    drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
-            "--bounding-set=-all"]  # fmt: skip
+    drop = [
+        "setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+    ]
     lines.append(f"cd {shlex.quote(workdir)} && exec {shlex.join(drop + argv)}")
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(lines)]

@@ -273,7 +273,7 @@ class SandboxIsolation(Choice):
 
     auto = "auto"  # namespaces where they work, else landlock; refused where neither gives every guarantee
     namespaces = "namespaces"  # net, mount and pid namespaces (unshare), a uid of its own, a cgroup per call
-    landlock = "landlock"  # Landlock + seccomp + a uid of its own (root) or Landlock scoping, a cgroup per call
+    landlock = "landlock"  # Landlock + seccomp + a uid of its own (root) or Landlock scoping, a cgroup a call
     remote = "remote"  # a SandboxFusion service over HTTP (its `remote` kwarg): the service isolates
     rlimits = "rlimits"  # limits and cleanup only: needs trust_model_code=true
 

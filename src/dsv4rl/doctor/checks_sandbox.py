@@ -55,12 +55,22 @@ def check_python_tool(ctx: Context) -> Check:
         for kwargs in mine:
             isolation = str(kwargs.get("isolation", SandboxIsolation.auto))
             if isolation == SandboxIsolation.remote:
-                verdicts.append((Status.PASS, f"isolation remote: {kwargs.get('remote', {}).get('url')} "
-                                              "isolates (checked with a test run at validation)", ""))  # fmt: skip
+                verdicts.append(
+                    (
+                        Status.PASS,
+                        f"isolation remote: {kwargs.get('remote', {}).get('url')} "
+                        "isolates (checked with a test run at validation)",
+                        "",
+                    )
+                )
                 continue
             try:
-                plan = plan_isolation(facts, isolation, bool(kwargs.get("trust_model_code", False)),
-                                      int(kwargs.get("max_processes", 64)))  # fmt: skip
+                plan = plan_isolation(
+                    facts,
+                    isolation,
+                    bool(kwargs.get("trust_model_code", False)),
+                    int(kwargs.get("max_processes", 64)),
+                )
             except IsolationUnavailable as error:
                 status = Status.FAIL if entries else Status.WARN
                 verdicts.append((status, f"{error} [{offers}]", "; ".join(FIXES)))

@@ -110,7 +110,9 @@ class PythonTool:
             raise ValueError("python tool: timeout_s must be > 0, memory_mb >= 16 and max_processes >= 1 "
                              f"(got {timeout_s}, {memory_mb}, {max_processes})")  # fmt: skip
         if (remote is not None) != (requested == SandboxIsolation.remote):
-            raise ValueError("python tool: `remote: {url: ...}` goes with isolation: remote, and only with it")
+            raise ValueError(
+                "python tool: `remote: {url: ...}` goes with isolation: remote, and only with it"
+            )
         self.remote: SandboxFusionClient | None = None
         if requested == SandboxIsolation.remote:
             self.remote = self._remote_client(remote)
@@ -140,10 +142,12 @@ class PythonTool:
         }
 
     def _remote_client(self, remote: Any) -> SandboxFusionClient:
-        """The service's client, checked now (a test run of `print(1)`): a wrong URL stops validation."""
+        """The service's client, checked now (a test run of `print(1)`): a wrong URL fails validation."""
         if not isinstance(remote, dict) or not remote.get("url"):
-            raise ValueError("python tool: isolation: remote needs `remote: {url: http://host:8080/run_code}` "
-                             "(a SandboxFusion service; timeout_s, retries, max_concurrency, headers optional)")  # fmt: skip
+            raise ValueError(
+                "python tool: isolation: remote needs `remote: {url: http://host:8080/run_code}` (a "
+                "SandboxFusion service; timeout_s, retries, max_concurrency and headers are optional)"
+            )
         allowed = {"url", "timeout_s", "retries", "max_concurrency", "headers"}
         unknown = sorted(set(remote) - allowed)
         if unknown:
@@ -227,7 +231,10 @@ class PythonTool:
         output = _Output(4 * self.max_output_chars + 16)
         output.add(run.output.encode("utf-8", "replace"))
         text = output.text(self.max_output_chars)
-        metrics = {"exit_code": float(run.exit_code if run.exit_code is not None else -1), "time_s": run.time_s}
+        metrics = {
+            "exit_code": float(run.exit_code if run.exit_code is not None else -1),
+            "time_s": run.time_s,
+        }
         if run.exit_code == 0 and not run.timed_out:
             return ToolResult(text if text.strip() else "(no output)", metrics=metrics)
         if run.timed_out:
@@ -241,10 +248,10 @@ class PythonTool:
 
     async def _run(self, argv: list[str], code: str, state: PythonState, output: _Output,
                    cgroup: CallCgroup | None) -> tuple[int, bool]:  # fmt: skip
+        env = sandbox.sandbox_env(self.python, state.path)
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, cwd=state.path, env=sandbox.sandbox_env(self.python, state.path),
-            start_new_session=True,
+            stderr=asyncio.subprocess.STDOUT, cwd=state.path, env=env, start_new_session=True,
         )  # fmt: skip
 
         async def pump() -> None:

@@ -105,9 +105,11 @@ def find_parent() -> tuple[CgroupParent | None, str]:
             _enable_controllers(Path(unified))
             _enable_controllers(parent.dirs[0])
     elif unified:
-        return None, (f"cgroup v2 only, and this process's group {own.get('')} holds processes, so it "
-                      f"cannot have limited children: set {ENV_PARENT} to a delegated group with the "
-                      "memory and pids controllers")  # fmt: skip
+        return None, (
+            f"cgroup v2 only, and this process's group {own.get('')} holds processes, so it "
+            f"cannot have limited children: set {ENV_PARENT} to a delegated group with the "
+            "memory and pids controllers"
+        )
     else:
         return None, "no cgroup v2, and no cgroup v1 with both the memory and pids controllers"
     why = _usable(parent)

@@ -26,9 +26,12 @@ GUARANTEES = ("files", "network", "processes", "privileges", "cleanup", "memory"
 LANDLOCK_MIN_ABI = 3  # ABI 3 (Linux 6.2) is the first that also refuses truncating files outside the tree
 LANDLOCK_SCOPE_ABI = 6  # ABI 6 (Linux 6.12): signals and abstract unix sockets scoped to the domain
 FIXES = (
-    "enable unprivileged user namespaces (Ubuntu 24.04: sysctl kernel.apparmor_restrict_unprivileged_userns=0; "
-    "Debian before 11: sysctl kernel.unprivileged_userns_clone=1), or run the trainer as root with "
-    "CAP_SYS_ADMIN (a container with --cap-add SYS_ADMIN and a seccomp profile that allows unshare)",
+    (
+        "enable unprivileged user namespaces (Ubuntu 24.04: "
+        "sysctl kernel.apparmor_restrict_unprivileged_userns=0; Debian before 11: "
+        "sysctl kernel.unprivileged_userns_clone=1), or run the trainer as root with CAP_SYS_ADMIN "
+        "(a container with --cap-add SYS_ADMIN and a seccomp profile that allows unshare)"
+    ),
     "isolation: landlock, on Linux 6.2+ with libseccomp (pip install pyseccomp; the libseccomp2 package)",
     "isolation: remote with a SandboxFusion service (remote: {url: http://sandbox-host:8080/run_code})",
     "isolation: rlimits with trust_model_code: true, only for code you would run yourself",
@@ -79,8 +82,10 @@ def _memory_layer(facts: SandboxFacts, max_processes: int, own_uid: bool) -> tup
     """(layer, max_processes as enforced, allow_fork, note) for the memory guarantee; '' layer: none."""
     if facts.cgroup:
         return f"cgroup memory and pids limits per call ({facts.cgroup})", max_processes, True, ""
-    note = (f"max_processes forced from {max_processes} to 1 (no cgroup for the calls: "
-            f"{facts.cgroup_error or 'none found'}), so that memory_mb bounds the call")  # fmt: skip
+    note = (
+        f"max_processes forced from {max_processes} to 1 (no cgroup for the calls: "
+        f"{facts.cgroup_error or 'none found'}), so that memory_mb bounds the call"
+    )
     if own_uid:
         return "one process (RLIMIT_NPROC=1 for the call's own uid) under RLIMIT_AS", 1, False, note
     if facts.seccomp:
@@ -88,7 +93,9 @@ def _memory_layer(facts: SandboxFacts, max_processes: int, own_uid: bool) -> tup
     return "", max_processes, True, ""
 
 
-def _local_plan(facts: SandboxFacts, mode: SandboxIsolation, max_processes: int) -> tuple[IsolationPlan, list]:
+def _local_plan(
+    facts: SandboxFacts, mode: SandboxIsolation, max_processes: int
+) -> tuple[IsolationPlan, list]:
     """The plan for a local mode, and what it lacks (empty: every guarantee holds)."""
     own_uid = facts.root  # as root each trajectory runs under a uid of its own
     missing: list[str] = []
@@ -98,30 +105,35 @@ def _local_plan(facts: SandboxFacts, mode: SandboxIsolation, max_processes: int)
             missing.append(f"namespaces do not work here ({facts.namespaces_error or 'unshare failed'})")
         layers |= {
             "files": "mount namespace: a read-only minimal root, the scratch directory writable",
-            "network": "network namespace without interfaces",
+            "network": "network namespace without interfaces"
+            + (", and the seccomp filter" if facts.seccomp else ""),
             "processes": "pid namespace" + (" and a uid of its own" if own_uid else " in a user namespace"),
             "cleanup": "pid namespace (its init's exit kills every process)",
         }
     elif mode == SandboxIsolation.landlock:
         if facts.landlock_abi < LANDLOCK_MIN_ABI:
-            missing.append(f"Landlock ABI {LANDLOCK_MIN_ABI}+ (Linux 6.2+); this kernel has "
-                           + (f"ABI {facts.landlock_abi}" if facts.landlock_abi else "no Landlock"))  # fmt: skip
+            missing.append(
+                f"Landlock ABI {LANDLOCK_MIN_ABI}+ (Linux 6.2+); this kernel has "
+                + (f"ABI {facts.landlock_abi}" if facts.landlock_abi else "no Landlock")
+            )
         if not facts.seccomp:
             missing.append(f"seccomp for the network ({facts.seccomp_error or 'unavailable'})")
         if not own_uid and facts.landlock_abi < LANDLOCK_SCOPE_ABI:
-            missing.append(f"a uid of its own (run as root) or Landlock ABI {LANDLOCK_SCOPE_ABI}+ (Linux "
-                           "6.12+) to keep signals from the trainer")  # fmt: skip
+            missing.append(
+                f"a uid of its own (run as root) or Landlock ABI {LANDLOCK_SCOPE_ABI}+ (Linux "
+                "6.12+) to keep signals from the trainer"
+            )
         if not missing and not facts.landlock_works:
             missing.append(f"the landlock mode failed its trial run: {facts.landlock_error}")
         layers |= {
             "files": "Landlock: read only the system and interpreter trees, write only the scratch directory",
-            "network": "seccomp: socket() refused for every family" + (", Landlock: no TCP"
-                                                                       if facts.landlock_abi >= 4 else ""),
+            "network": "seccomp: socket() refused for every family"
+            + (", Landlock: no TCP" if facts.landlock_abi >= 4 else ""),
             "processes": ("a uid of its own, " if own_uid else "Landlock signal scoping, ")
             + "Landlock ptrace scoping, no /proc access",
             "cleanup": "a subreaper outside the sandbox kills every descendant"
             + (" and every process of the call's uid" if own_uid else ""),
-        }  # fmt: skip
+        }
     else:  # rlimits: trusted code
         if not facts.rlimits_works:
             missing.append(f"the rlimits mode failed its trial run: {facts.rlimits_error}")
@@ -134,15 +146,18 @@ def _local_plan(facts: SandboxFacts, mode: SandboxIsolation, max_processes: int)
         }
     memory, enforced, allow_fork, note = _memory_layer(facts, max_processes, own_uid)
     if not memory:
-        missing.append("a bound on memory over all processes of a call: a writable cgroup (v1 memory+pids, "
-                       "or a delegated v2 group), or root or seccomp to hold a call to one process")  # fmt: skip
+        missing.append(
+            "a bound on memory over all processes of a call: a writable cgroup (v1 memory+pids, "
+            "or a delegated v2 group), or root or seccomp to hold a call to one process"
+        )
     layers["memory"] = memory or "per process only"
     if facts.cgroup:
         layers["cleanup"] += ", and the call's cgroup is emptied"
     # seccomp everywhere it works, as a second wall; in rlimits only where it holds the call to one process
     seccomp = facts.seccomp and (mode != SandboxIsolation.rlimits or (not allow_fork and not own_uid))
-    plan = IsolationPlan(mode, layers, enforced, bool(facts.cgroup), seccomp, allow_fork,
-                         (note,) if note else ())  # fmt: skip
+    plan = IsolationPlan(
+        mode, layers, enforced, bool(facts.cgroup), seccomp, allow_fork, (note,) if note else ()
+    )
     return plan, missing
 
 
@@ -153,12 +168,14 @@ def remote_plan(url: str) -> IsolationPlan:
         "cleanup": "the service ends each run (a fresh directory per request)",
         "memory": f"the service's memory_limit_MB per run ({url})",
     }
-    return IsolationPlan(SandboxIsolation.remote, layers, 1, False, False, True,
-                         ("files do not persist between calls",))  # fmt: skip
+    return IsolationPlan(
+        SandboxIsolation.remote, layers, 1, False, False, True, ("files do not persist between calls",)
+    )
 
 
-def plan_isolation(facts: SandboxFacts, requested: str, trust_model_code: bool,
-                   max_processes: int) -> IsolationPlan:  # fmt: skip
+def plan_isolation(
+    facts: SandboxFacts, requested: str, trust_model_code: bool, max_processes: int
+) -> IsolationPlan:
     """The plan for `requested` (auto: the strongest that gives every guarantee); IsolationUnavailable,
     naming what is missing and the fixes, where none does. `remote` is planned by the remote client."""
     requested = SandboxIsolation(requested)
@@ -166,8 +183,9 @@ def plan_isolation(facts: SandboxFacts, requested: str, trust_model_code: bool,
     if requested == SandboxIsolation.rlimits:
         if not trust_model_code:
             raise IsolationUnavailable(
-                "python tool: isolation=rlimits gives the model's code no file, network or process isolation; "
-                f"use isolation auto, namespaces, landlock or remote, or set trust_model_code: true to "
+                "python tool: isolation=rlimits gives the model's code no file, network or process "
+                "isolation; "
+                "use isolation auto, namespaces, landlock or remote, or set trust_model_code: true to "
                 "accept that (only for code you would run yourself)"
             )
         plan, missing = _local_plan(facts, requested, max_processes)

@@ -27,23 +27,48 @@ def python_dirs(python: str) -> list[str]:
     """The directories an interpreter needs (its prefixes and the real location of its executable)."""
     if python in _DIRS:
         return _DIRS[python]
-    query = ("import json, os, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, "
-             "sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]))")  # fmt: skip
+    query = (
+        "import json, os, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, "
+        "sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]))"
+    )
     out = subprocess.run([python, "-I", "-c", query], capture_output=True, text=True, timeout=30, check=True)
     dirs = sorted({os.path.realpath(d) for d in json.loads(out.stdout)} | set(json.loads(out.stdout)))
     _DIRS[python] = [d for d in dirs if not any(d.startswith(o + "/") for o in dirs)]
     return _DIRS[python]
 
 
-def runner_config(mode: str, scratch: str, python: str, uid: int | None, *, memory_mb: int, cpu_s: float,
-                  max_processes: int, seccomp_bpf: str | None, landlock_abi: int) -> dict:  # fmt: skip
+def runner_config(
+    mode: str,
+    scratch: str,
+    python: str,
+    uid: int | None,
+    *,
+    memory_mb: int,
+    cpu_s: float,
+    max_processes: int,
+    seccomp_bpf: str | None,
+    landlock_abi: int,
+) -> dict:
     """The runner's config (tools/sandbox/runner.py reads it)."""
     dirs = python_dirs(python)
     readable = [*dirs, *(f"/dev/{d}" for d in runner.DEVICES), *runner._READ_ONLY_SYSTEM]
-    return {"mode": mode, "scratch": scratch, "python_dirs": dirs, "uid": uid, "gid": uid,
-            "block_exec": mode == "rlimits", "write_paths": [scratch, "/dev/null"], "read_paths": readable,
-            "tmpfs_mb": 64, "fsize_mb": 64, "memory_mb": memory_mb, "cpu_s": cpu_s,
-            "max_processes": max_processes, "seccomp_bpf": seccomp_bpf, "landlock_abi": landlock_abi}  # fmt: skip
+    return {
+        "mode": mode,
+        "scratch": scratch,
+        "python_dirs": dirs,
+        "uid": uid,
+        "gid": uid,
+        "block_exec": mode == "rlimits",
+        "write_paths": [scratch, "/dev/null"],
+        "read_paths": readable,
+        "tmpfs_mb": 64,
+        "fsize_mb": 64,
+        "memory_mb": memory_mb,
+        "cpu_s": cpu_s,
+        "max_processes": max_processes,
+        "seccomp_bpf": seccomp_bpf,
+        "landlock_abi": landlock_abi,
+    }
 
 
 def command(python: str, cfg: dict, unshare: str | None) -> list[str]:
@@ -60,10 +85,18 @@ def command(python: str, cfg: dict, unshare: str | None) -> list[str]:
 
 def sandbox_env(python: str, scratch: str) -> dict[str, str]:
     """The code's whole environment: nothing of the trainer's (no keys, no tokens)."""
-    return {"PATH": f"{os.path.dirname(python)}:/usr/local/bin:/usr/bin:/bin", "HOME": scratch,
-            "TMPDIR": scratch, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2",
-            "MPLBACKEND": "Agg"}  # fmt: skip
+    return {
+        "PATH": f"{os.path.dirname(python)}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": scratch,
+        "TMPDIR": scratch,
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "MALLOC_ARENA_MAX": "2",
+        "MPLBACKEND": "Agg",
+    }
 
 
 def kill_uid(uid: int) -> int:
@@ -96,7 +129,9 @@ def landlock_abi() -> int:
     return max(0, int(version))
 
 
-def _trial(python: str, mode: str, unshare: str | None, seccomp_bpf: str | None, abi: int) -> tuple[bool, str]:
+def _trial(
+    python: str, mode: str, unshare: str | None, seccomp_bpf: str | None, abi: int
+) -> tuple[bool, str]:
     """Run a small program in `mode`, as a trajectory would; (it worked, what went wrong)."""
     root = os.geteuid() == 0
     scratch = tempfile.mkdtemp(prefix="dsv4rl-py-probe-")
@@ -104,14 +139,29 @@ def _trial(python: str, mode: str, unshare: str | None, seccomp_bpf: str | None,
     try:
         if root:
             os.chown(scratch, PROBE_UID, PROBE_UID)
-        cfg = runner_config(mode, scratch, python, uid, memory_mb=1024, cpu_s=10, max_processes=64,
-                            seccomp_bpf=seccomp_bpf, landlock_abi=abi)  # fmt: skip
+        cfg = runner_config(
+            mode,
+            scratch,
+            python,
+            uid,
+            memory_mb=1024,
+            cpu_s=10,
+            max_processes=64,
+            seccomp_bpf=seccomp_bpf,
+            landlock_abi=abi,
+        )
         check = "os.getpid() == 2 and not os.path.exists('/home/.')" if mode == "namespaces" else "True"
         # modules the runner itself never imports: read from the interpreter's tree after the sandbox is set
         code = f"import fractions, os, statistics\nassert {check}\nprint('ok')"
         try:
-            out = subprocess.run(command(python, cfg, unshare), input=code.encode(), capture_output=True,
-                                 timeout=30, cwd=scratch, env=sandbox_env(python, scratch))  # fmt: skip
+            out = subprocess.run(
+                command(python, cfg, unshare),
+                input=code.encode(),
+                capture_output=True,
+                timeout=30,
+                cwd=scratch,
+                env=sandbox_env(python, scratch),
+            )
         except (OSError, subprocess.SubprocessError) as error:
             return False, repr(error)
         if out.returncode == 0 and out.stdout.strip() == b"ok":
@@ -129,9 +179,11 @@ def probe(python: str) -> SandboxFacts:
         return _FACTS[python]
     unreadable = ""
     if os.geteuid() == 0:  # the trajectories' uids must read the interpreter: a common miss is /root (0700)
-        unreadable = (f" (the sandbox's uid must be able to read {python}'s directories {python_dirs(python)}: "
-                      "give the tool `python:` an interpreter every user can read, e.g. /usr/bin/python3 "
-                      "with the packages the model may import, or make those directories readable)")  # fmt: skip
+        unreadable = (
+            f" (the sandbox's uid must be able to read {python}'s directories {python_dirs(python)}: "
+            "give the tool `python:` an interpreter every user can read, e.g. /usr/bin/python3 "
+            "with the packages the model may import, or make those directories readable)"
+        )
     unshare = shutil.which("unshare")
     namespaces, ns_error = (False, "no `unshare` on PATH (util-linux)")
     if unshare:
@@ -154,9 +206,17 @@ def probe(python: str) -> SandboxFacts:
     rlimits_error += unreadable if rlimits_error else ""
     parent, cgroup_error = find_parent()
     _FACTS[python] = SandboxFacts(
-        root=os.geteuid() == 0, namespaces=namespaces, namespaces_error=ns_error, landlock_abi=abi,
-        seccomp=seccomp, seccomp_error=seccomp_error, landlock_works=landlock, landlock_error=landlock_error,
-        rlimits_works=rlimits, rlimits_error=rlimits_error, cgroup=parent.describe() if parent else None,
+        root=os.geteuid() == 0,
+        namespaces=namespaces,
+        namespaces_error=ns_error,
+        landlock_abi=abi,
+        seccomp=seccomp,
+        seccomp_error=seccomp_error,
+        landlock_works=landlock,
+        landlock_error=landlock_error,
+        rlimits_works=rlimits,
+        rlimits_error=rlimits_error,
+        cgroup=parent.describe() if parent else None,
         cgroup_error=cgroup_error,
-    )  # fmt: skip
+    )
     return _FACTS[python]

@@ -362,6 +362,7 @@ def descendants(root: int) -> list[int]:
 def kill_descendants() -> None:
     """SIGKILL every descendant of this process and reap them, until none is left: as a child subreaper,
     the orphans of killed processes come back to it and are found by the next scan."""
+    import contextlib
     import signal
     import time
 
@@ -369,10 +370,8 @@ def kill_descendants() -> None:
     for _ in range(1000):
         found = descendants(me)
         for pid in found:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         while True:
             try:
                 if os.waitpid(-1, os.WNOHANG)[0] == 0:

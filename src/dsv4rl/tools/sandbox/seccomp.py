@@ -25,12 +25,41 @@ import os
 import tempfile
 
 DENIED = (
-    "io_uring_setup", "io_uring_enter", "io_uring_register", "ptrace", "process_vm_readv",
-    "process_vm_writev", "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
-    "unshare", "setns", "mount", "umount2", "pivot_root", "move_mount", "open_tree", "fsopen", "fsmount",
-    "fsconfig", "fspick", "mount_setattr", "open_by_handle_at", "name_to_handle_at", "kexec_load",
-    "init_module", "finit_module", "delete_module", "acct", "swapon", "swapoff", "reboot",
-)  # fmt: skip
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "unshare",
+    "setns",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsmount",
+    "fsconfig",
+    "fspick",
+    "mount_setattr",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "kexec_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "acct",
+    "swapon",
+    "swapoff",
+    "reboot",
+)
 CLONE_NEW = (0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x80)
 CLONE_THREAD = 0x10000
 
@@ -45,8 +74,10 @@ def seccomp_program(allow_fork: bool) -> str:
     try:
         import pyseccomp as sc
     except (ImportError, OSError) as error:  # OSError: libseccomp.so.2 itself is missing
-        raise SeccompUnavailable(f"libseccomp's bindings do not load ({error}): pip install pyseccomp, and "
-                                 "the libseccomp2 system package") from None  # fmt: skip
+        raise SeccompUnavailable(
+            f"libseccomp's bindings do not load ({error}): pip install pyseccomp, and "
+            "the libseccomp2 system package"
+        ) from None
     try:
         flt = sc.SyscallFilter(sc.ALLOW)
         flt.add_rule(sc.ERRNO(errno.EACCES), "socket")
