@@ -260,7 +260,10 @@ class PythonTool:
 
         async def feed_and_wait() -> None:
             if cgroup is not None:  # before the code arrives: the runner forks nothing until it has read it
-                cgroup.add(proc.pid)
+                try:
+                    cgroup.add(proc.pid)
+                except OSError as error:  # the code never runs outside its cgroup
+                    raise RuntimeError(f"python tool: the call could not join its cgroup ({error})") from error
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 proc.stdin.write(code.encode("utf-8", "surrogatepass"))
                 await proc.stdin.drain()

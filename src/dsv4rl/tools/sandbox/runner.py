@@ -399,13 +399,13 @@ def _supervise(cfg: dict, code: str) -> int:
         raise _Deadline
 
     signal.signal(signal.SIGTERM, deadline)
-    worker = os.fork()
-    if worker == 0:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        _worker(cfg, code)
-        sys.exit(0)
     try:
+        worker = os.fork()
+        if worker == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            _worker(cfg, code)
+            sys.exit(0)
         status = os.waitpid(worker, 0)[1]
     except _Deadline:
         status = signal.SIGKILL  # as if killed: the tool reports its timeout
