@@ -6,9 +6,11 @@ service, a judge model), each run as `dsv4rl train` runs them. Short runs: the m
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -16,6 +18,7 @@ import pytest
 from test_train_cpu import free_port, port_overrides, train
 
 from dsv4rl.metrics import read_metrics
+from marked_processes import running_with
 
 pytestmark = pytest.mark.slow
 
@@ -76,6 +79,52 @@ def test_user_functions_faults_and_rollout_records(tmp_path: Path) -> None:
     assert sample["rewards"]["slow"]["status"] == "timeout" and sample["weight_version"] == "1"
     assert sample["rewards"]["ok"]["score"] == sample["reward"]
     assert len(sample["logprobs"]) == len(sample["response_ids"]) == 1
+
+
+def test_a_reward_that_always_hangs_stops_the_first_step_and_leaves_no_process(tmp_path: Path) -> None:
+    """The hostile case of issue 37: the only reward function starts three processes (a child, a child in a
+    session of its own, a double-forked daemon), then hangs; timeout_s 1, on_error zero, one worker. The
+    run stops in step 1 once 26 of its 512 calls timed out (more than reward.max_timeout_fraction=0.05),
+    naming the function and its timeout in `dsv4rl train`'s root cause, the trainer's log and its crash
+    report; never more processes of the function live than one call's three (the killed worker's go with
+    it), and none after the run. Before: step 1 took 512 timeouts and trained on zeros."""
+    marker_dir = tmp_path / f"dsv4rl-e2e-{uuid.uuid4().hex[:12]}"
+    marker_dir.mkdir()
+    run = tmp_path / "run"
+    fns = (
+        f"[{{name: hang, target: {USER}:spawns, timeout_s: 1, on_error: zero, "
+        f"kwargs: {{marker_dir: {marker_dir}}}}}]"
+    )
+    argv = [sys.executable, "-m", "dsv4rl.cli", "train", "recipe=tiny_arith", f"run.dir={run}",
+            "run.progress=false", *port_overrides(), f"reward.fns={fns}", "train.steps=3",
+            *SHORT]  # fmt: skip
+    console = tmp_path / "console.txt"
+    most = 0  # marked processes alive at once, polled while the run goes on
+    with console.open("w") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        while proc.poll() is None:
+            most = max(most, len(running_with(marker_dir.name)))
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in running_with(marker_dir.name):
+            os.kill(pid, 9)
+    out = console.read_text()
+    assert proc.returncode == 1, out
+    named = (
+        f"RewardError: reward function 'hang' ({USER}:spawns): 26 of the 512 samples of step 1 timed out (no "
+        "result within timeout_s=1), more than reward.max_timeout_fraction=0.05 allows (25)"
+    )
+    assert f"root cause: trainer-rank0: dsv4rl.reward.results.{named}" in out, out
+    crash = json.loads((run / "logs" / "crash-trainer-rank0.json").read_text())
+    assert named.split("RewardError: ")[1] in crash["message"] and "reward.timeout_s" in crash["message"]
+    assert named in (run / "logs" / "trainer.log").read_text()
+    assert not (run / "metrics.jsonl").exists()  # no step trained
+    assert len(list(marker_dir.glob("daemon-*"))) >= 1  # the calls started their processes
+    assert most <= 3  # one call's at a time: a killed worker's went with it
+    assert running_with(marker_dir.name) == []
 
 
 def train_recipe(recipe: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -18,6 +18,8 @@ from dsv4rl.config.schema import RemoteRewardConfig, RewardOnError
 from dsv4rl.reward.http_retry import RewardHTTPError, backoff_seconds
 from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.remote import RemoteScorer
+from dsv4rl.reward.results import RewardError
+from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.reward.scorers import FnSpec
 from dsv4rl.reward.verify_pool import CallFailed
 
@@ -133,3 +135,24 @@ def test_a_failed_batch_is_each_samples_error(service: str) -> None:
 def test_backoff_doubles_and_honours_retry_after() -> None:
     assert [backoff_seconds(k, 0.5) for k in range(4)] == [0.5, 1.0, 2.0, 4.0]
     assert backoff_seconds(0, 0.5, retry_after="3") == 3.0 and backoff_seconds(10, 0.5) == 30.0
+
+
+def test_a_service_slower_than_the_step_deadline_is_named(service: str) -> None:
+    """Each request under its own timeout (60 s), but the round's scoring past reward.step_timeout_s: the
+    run stops naming the service and its requests still unanswered."""
+    rewards = RewardSet([scorer(service, "slow", batch_size=4)], None, 0.05, step_timeout_s=0.3)
+
+    async def go():  # noqa: ANN202
+        rewards.begin_round(1, 8)
+        rewards.start_deadline()
+        try:
+            return await rewards.score_group(samples(8))
+        finally:
+            rewards.end_round()
+            await rewards.aclose()
+
+    with pytest.raises(RewardError) as raised:
+        asyncio.run(go())
+    message = str(raised.value)
+    assert "reward scoring of step 1 did not finish within reward.step_timeout_s=0.3" in message
+    assert f"the slowest is reward function 'remote' ({service}), 2 calls unfinished" in message

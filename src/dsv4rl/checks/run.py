@@ -267,6 +267,16 @@ def check_data_reward_eval(cfg: Config, add: Add) -> None:
             f"reward.max_error_fraction must be in [0, 1] (got {r.max_error_fraction}): the fraction of a "
             "batch's grader calls that may raise before the run stops"
         )
+    if not 0.0 <= r.max_timeout_fraction <= 1.0:
+        add(
+            f"reward.max_timeout_fraction must be in [0, 1] (got {r.max_timeout_fraction}): the fraction "
+            "of a step's calls of one reward function that may time out before the run stops (0: none may)"
+        )
+    if not (math.isfinite(r.step_timeout_s) and r.step_timeout_s >= 0):
+        add(
+            f"reward.step_timeout_s must be a number >= 0 (got {r.step_timeout_s}): the seconds a step's "
+            "scoring may go on after its last sample is back (0: no limit)"
+        )
     if d.holdout < 0:
         add(f"data.holdout must be >= 0 (got {d.holdout})")
     if cfg.eval is not None:

@@ -679,6 +679,13 @@ class RewardConfig:
     num_workers: int = 1
     # A batch where more than this fraction of a function's calls raised stops the run (never train on zeros)
     max_error_fraction: float = 0.05
+    # A step where more than this fraction of a function's calls timed out stops the run, as soon as that many
+    # have (the step's other calls are cancelled): a reward that always hangs stops the first step
+    max_timeout_fraction: float = 0.05
+    # The scoring a round has left once its last sample is back (time_reward_s) must end within this many
+    # seconds, else the run stops naming the slowest function. 0: no limit. Keep it below run.step_timeout_s
+    # (the hang watchdog, which stops the run without naming the function).
+    step_timeout_s: float = 600.0
     fns: list[RewardFnConfig] = field(default_factory=list)  # your own reward functions (docs/tasks.md)
     remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)  # a reward service over HTTP
     judge: RewardJudgeConfig = field(default_factory=RewardJudgeConfig)  # a judge model (chat completions)

@@ -4,81 +4,25 @@ Killing a child's process group is not enough: torchrun starts each worker in a 
 a child killed by SIGKILL leaves its children behind. The supervisor therefore remembers every
 descendant it has seen (pid + start time, so a reused pid is never signalled), signals them directly,
 and - as a child subreaper - reaps the orphans that are reparented to it (containers often run a PID 1
-that never reaps, which would leave zombies).
+that never reaps, which would leave zombies). Reading /proc is `dsv4rl.faults.proc_tree`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
-_libc = None
-
-
-def _prctl(option: int, value: int) -> bool:
-    global _libc
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        return _libc.prctl(option, value, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-@dataclass(frozen=True)
-class Proc:
-    pid: int
-    ppid: int
-    pgrp: int
-    state: str  # R, S, D, Z, ...
-    start: int  # start time in clock ticks since boot: (pid, start) names one process forever
-
-
-def read_proc(pid: int) -> Proc | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # comm may contain spaces and parentheses: fields start after the last ')'
-    rest = raw[raw.rindex(")") + 2 :].split()
-    return Proc(pid=pid, ppid=int(rest[1]), pgrp=int(rest[2]), state=rest[0], start=int(rest[19]))
-
-
-def process_table() -> dict[int, Proc]:
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            proc = read_proc(int(entry))
-            if proc is not None:
-                table[proc.pid] = proc
-    return table
-
-
-def descendants(roots: Iterable[int], table: dict[int, Proc]) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for proc in table.values():
-        children.setdefault(proc.ppid, []).append(proc.pid)
-    found: set[int] = set()
-    stack = list(roots)
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
-
-
-def become_subreaper() -> bool:
-    """Orphaned descendants get reparented to this process (so it can reap them), not to PID 1."""
-    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+from dsv4rl.faults.proc_tree import (
+    PR_SET_PDEATHSIG,
+    Proc,
+    descendants,
+    prctl,
+    process_table,
+    read_proc,
+)
 
 
 def child_preexec(death_signal: int = signal.SIGTERM) -> Callable[[], None] | None:
@@ -90,10 +34,10 @@ def child_preexec(death_signal: int = signal.SIGTERM) -> Callable[[], None] | No
     if not hasattr(os, "fork") or threading.current_thread() is not threading.main_thread():
         return None
     parent = os.getpid()
-    _prctl(0, 0)  # load libc before forking
+    prctl(0, 0)  # load libc before forking
 
     def setup() -> None:
-        _prctl(PR_SET_PDEATHSIG, death_signal)
+        prctl(PR_SET_PDEATHSIG, death_signal)
         if os.getppid() != parent:  # the supervisor died between fork and prctl
             os._exit(1)
 

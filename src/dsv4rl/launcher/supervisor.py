@@ -44,12 +44,13 @@ from rich.text import Text
 from dsv4rl.config.schema import ProcessRole
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT, FailedPushRecord
 from dsv4rl.faults.heartbeat import START
+from dsv4rl.faults.proc_tree import become_subreaper
 from dsv4rl.faults.stop import STOP_SIGNALS, STOPPED_EXIT, StoppedRecord, request_stop
 from dsv4rl.launcher.child_faults import ChildFaults
 from dsv4rl.launcher.marker import FINISHED, DoneMarker
 from dsv4rl.launcher.node_liveness import NodeLiveness
 from dsv4rl.launcher.plan import METRICS_FILE, ProcessSpec
-from dsv4rl.launcher.procs import Tracker, become_subreaper, child_preexec
+from dsv4rl.launcher.procs import Tracker, child_preexec
 from dsv4rl.launcher.progress import MetricsTail, RunProgress
 from dsv4rl.launcher.reachability import unreachable_engines
 from dsv4rl.launcher.watchdog import Hang, describe, find_hang

@@ -7,7 +7,8 @@ gets. Pure functions.
 - A sample's reward is the weighted sum of the scores it got; a function with weight 0 is only logged. A
   sample no weighted function scored has no reward: it is left out of the loss (and counted).
 - More of a step's calls of one function raised than `max_error_fraction` allows: the run stops with the
-  first failure's traceback (never train on zeros).
+  first failure's traceback (never train on zeros); more timed out than `max_timeout_fraction` allows: the
+  run stops naming the function and its timeout (`step_limits` stops it as soon as that many have).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dsv4rl.config.schema import RewardOnError
 from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.results import BadResult, Outcome, RewardError, read_result, user_frame
 from dsv4rl.reward.scorers import FnSpec
+from dsv4rl.reward.step_limits import timeouts_message
 from dsv4rl.reward.verify_pool import TIMED_OUT, CallFailed
 
 FIX = "fix the function, or set its on_error to zero or exclude (docs/tasks.md)"
@@ -84,8 +86,9 @@ def combine(specs: Sequence[FnSpec], outcomes: Sequence[dict[str, Outcome]]) -> 
 
 
 def function_metrics(specs: Sequence[FnSpec], outcomes: Sequence[dict[str, Outcome]]) -> dict[str, float]:
-    """reward/<name>/score (the mean over the samples it scored) and reward/<name>/<key> of dict results
-    (the mean over the samples that have the key); reward/<name>/{scored,none,timeouts,errors}: counts."""
+    """reward/<name>/score (the mean of the scores its samples got, on_error=zero's included) and
+    reward/<name>/<key> of dict results (the mean over the samples that have the key);
+    reward/<name>/{scored,none,timeouts,errors}: counts, `scored` only the calls that returned a score."""
     metrics: dict[str, float] = {}
     for spec in specs:
         mine = [per_sample[spec.name] for per_sample in outcomes]
@@ -98,7 +101,7 @@ def function_metrics(specs: Sequence[FnSpec], outcomes: Sequence[dict[str, Outco
             for key, value in outcome.extras.items():
                 sums.setdefault(key, []).append(value)
         metrics.update({prefix + key: sum(values) / len(values) for key, values in sums.items()})
-        metrics[prefix + "scored"] = len(scores)
+        metrics[prefix + "scored"] = sum(o.status == "ok" for o in mine)
         metrics[prefix + "none"] = sum(o.status == "none" for o in mine)
         metrics[prefix + "timeouts"] = sum(o.status == "timeout" for o in mine)
         metrics[prefix + "errors"] = sum(o.status == "error" for o in mine)
@@ -121,6 +124,21 @@ def check_error_fraction(
                 f"({len(failed) / n:.0%}, more than reward.max_error_fraction={max_fraction:g}); first: "
                 f"{first.error}; {FIX.split(', or')[0]} (a run must not train on errors){detail}"
             )
+
+
+def check_timeout_fraction(
+    specs: Sequence[FnSpec],
+    outcomes: Sequence[dict[str, Outcome]],
+    max_fraction: float,
+    step: int | None = None,
+) -> None:
+    """RewardError when more than `max_fraction` of one function's calls this step timed out, naming the
+    function, its timeout and the fix."""
+    n = len(outcomes)
+    for spec in specs:
+        timed_out = sum(per_sample[spec.name].status == "timeout" for per_sample in outcomes)
+        if n and timed_out > max_fraction * n:
+            raise RewardError(timeouts_message(spec, timed_out, n, max_fraction, step))
 
 
 def grader_counts(metrics: dict[str, float], specs: Sequence[FnSpec]) -> dict[str, float]:

@@ -15,6 +15,11 @@ cheap function costs milliseconds). A worker is a fresh interpreter (`python -m 
 the trainer's import path and working directory) that never imports the trainer's modules (a restart
 costs its own imports, not torch's), and imports the user's reward modules before it says it is ready, so
 no deadline pays for an import.
+
+No process a reward function starts outlives its worker: a worker runs in a session of its own under a
+reaper (a child subreaper, `fn_worker`), and a worker is never stopped gently: a timeout, a death, a
+replacement and `close` all kill every descendant of the reaper (those that called setsid, or whose
+parent exited, included), then its process group (`_end`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import contextlib
 import itertools
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -34,12 +40,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from dsv4rl.faults.proc_tree import kill_descendants, kill_group
 from dsv4rl.reward.targets import Target
 from dsv4rl.reward.verify_pool import TIMED_OUT, CallFailed
 
 log = logging.getLogger(__name__)
 
 CHUNK_MAX = 16  # calls sent to a worker at once
+REAPER_EXIT_S = 2.0  # a reaper exits as soon as its worker is dead and its orphans are reaped
 
 
 def _child_env() -> dict[str, str]:
@@ -67,6 +75,24 @@ class _Worker:
     chunk: collections.deque = field(default_factory=collections.deque)  # calls sent, not answered yet
     timer: asyncio.TimerHandle | None = None
     started_at: float = field(default_factory=time.monotonic)
+    serving: int | None = None  # the pid that runs the calls (ready says): below a reaper, or the process
+
+
+def _end(worker: _Worker) -> None:
+    """Kill a worker and every process it started; return once none of them runs."""
+    process = worker.process
+    reaped = worker.serving is not None and worker.serving != process.pid
+    if not reaped:  # no reaper (or not ready): stop the worker so that it starts nothing more meanwhile
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(process.pid, signal.SIGSTOP)
+    kill_descendants(process.pid)
+    if reaped:  # it reaps the killed, then exits
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=REAPER_EXIT_S)
+    kill_group(process.pid)  # what is left of its session's group, the process itself included
+    if process.poll() is None:
+        process.kill()
+    process.wait(timeout=5)
 
 
 class AsyncProcessPool:
@@ -133,6 +159,7 @@ class AsyncProcessPool:
             [sys.executable, "-m", "dsv4rl.reward.fn_worker", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             env=_child_env(),
+            start_new_session=True,  # its own process group: `_end` kills the group, and Ctrl-C is ours
         )
         theirs.close()
         parent = Connection(ours.detach())
@@ -144,27 +171,19 @@ class AsyncProcessPool:
 
     def _replace(self, worker: _Worker) -> None:
         """Kill `worker` and start a fresh one in its place."""
-        self._stop(worker, kill=True)
+        self._stop(worker)
         self.restarts += 1
         if self._failure is None:
             self._workers[self._workers.index(worker)] = self._spawn()
 
-    def _stop(self, worker: _Worker, kill: bool) -> None:
+    def _stop(self, worker: _Worker) -> None:
+        """Kill `worker` with every process it started (`_end`)."""
         if worker.timer is not None:
             worker.timer.cancel()
         with contextlib.suppress(OSError, ValueError, RuntimeError):  # closed already
             self._loop.remove_reader(worker.conn.fileno())
-        if kill and worker.process.poll() is None:
-            worker.process.kill()
-        elif not kill:
-            with contextlib.suppress(OSError):
-                worker.conn.send(None)
         worker.conn.close()
-        try:
-            worker.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            worker.process.kill()
-            worker.process.wait(timeout=5)
+        _end(worker)
 
     def _start_expired(self, worker: _Worker) -> None:
         if not worker.ready:
@@ -178,7 +197,7 @@ class AsyncProcessPool:
             for call in worker.chunk:
                 _resolve(call, failure)
             worker.chunk.clear()
-            self._stop(worker, kill=True)
+            self._stop(worker)
         while self._pending:
             _resolve(self._pending.popleft(), failure)
         log.error("%s: %s", failure.error_type, failure.message)
@@ -193,7 +212,7 @@ class AsyncProcessPool:
                 self._died(worker)
                 return
             if message[0] == "ready":
-                worker.ready = True
+                worker.ready, worker.serving = True, message[1]
                 worker.timer.cancel()
                 worker.timer = None
                 self._pump()
@@ -278,9 +297,9 @@ class AsyncProcessPool:
             self._arm(worker)
 
     def close(self) -> None:
-        """Stop the workers (calls still waiting get nothing more)."""
+        """Kill the workers and whatever they started (calls still waiting get nothing more)."""
         for worker in self._workers:
-            self._stop(worker, kill=bool(worker.chunk) or not worker.ready)
+            self._stop(worker)
         self._workers = []
 
 

@@ -3,11 +3,20 @@
 It imports only what a reward needs (never the trainer's modules: a restart after a timeout costs an
 interpreter start and the user's imports, not torch's), reads the targets to load from the pipe `FD`,
 says ready, then runs chunks of calls, sending each result back as soon as it has it.
+
+The process the pool starts (in a session of its own) is a reaper: a child subreaper that forks the
+worker and waits. Every process the user's code starts stays its descendant, even one that calls setsid
+and whose parent exits (an orphan is reparented to the reaper, not to PID 1), so the pool can find and
+kill them all (`faults.proc_tree.kill_descendants`); the reaper reaps those orphans as they end (no
+zombies pile up in a long run) and, when the worker ends for any reason, kills what is left and exits
+with the worker's code. Where a subreaper cannot be had (not Linux), the worker runs in that process
+itself and the pool's kill reaches its process group and its descendants as they are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import sys
@@ -15,6 +24,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from dsv4rl.faults.proc_tree import become_subreaper, kill_descendants
 from dsv4rl.reward.targets import Target, load_function
 from dsv4rl.reward.verify_pool import call_failed
 
@@ -41,7 +51,7 @@ def serve(conn: Connection) -> None:
     except Exception as error:
         conn.send(("init_error", call_failed(error)))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", os.getpid()))  # the pool learns whether a reaper is above it
     while True:
         try:
             chunk = conn.recv()
@@ -60,9 +70,35 @@ def serve(conn: Connection) -> None:
                 conn.send((call_id, "error", call_failed(error)))
 
 
+def reap(worker: int) -> int:
+    """The reaper's life: reap every child (the worker, and the orphans of its tree reparented here) until
+    the worker ends; then kill and reap what is left of its tree. Returns the worker's exit code."""
+    code = 1
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            return code
+        if pid == worker:
+            code = os.waitstatus_to_exitcode(status)
+            code = 128 - code if code < 0 else code  # killed by a signal: the shell's 128 + N
+            kill_descendants(os.getpid())
+            while True:  # the killed ones, reparented here as their parents die
+                try:
+                    os.wait()
+                except ChildProcessError:
+                    return code
+
+
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's business
-    sock = socket.socket(fileno=int(sys.argv[1]))
+    fd = int(sys.argv[1])
+    if become_subreaper():
+        worker = os.fork()
+        if worker:
+            os.close(fd)  # the worker holds the only end: the pool sees EOF when it dies
+            sys.exit(reap(worker))
+    sock = socket.socket(fileno=fd)
     serve(Connection(sock.detach()))
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from dsv4rl.reward.step_limits import NO_WATCH
+
 BACKOFF_S = 0.5  # the first retry waits this long, then twice as long each time
 MAX_BACKOFF_S = 30.0
 
@@ -96,6 +98,7 @@ class HTTPScorerClient:
     once at the end of the run; `close` is the synchronous half of the scorer protocol (nothing to do)."""
 
     _client: httpx.AsyncClient | None = None
+    watch = NO_WATCH  # the RewardSet's (`step_limits`)
 
     async def aclose(self) -> None:
         if self._client is not None:

@@ -223,4 +223,4 @@ class JudgeScorer(HTTPScorerClient):
         return {"score": value * self.cfg.scale, "raw": value}
 
     async def score(self, samples: Sequence[RewardInput]) -> list[Any]:
-        return list(await asyncio.gather(*(self._one(s) for s in samples)))
+        return list(await asyncio.gather(*(self.watch.call(self._one(s)) for s in samples)))

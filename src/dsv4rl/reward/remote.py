@@ -94,5 +94,5 @@ class RemoteScorer(HTTPScorerClient):
     async def score(self, samples: Sequence[RewardInput]) -> list[Any]:
         size = max(1, self.cfg.batch_size)
         batches = [samples[i : i + size] for i in range(0, len(samples), size)]
-        results = await asyncio.gather(*(self._batch(batch) for batch in batches))
+        results = await asyncio.gather(*(self.watch.call(self._batch(b), len(b)) for b in batches))
         return [result for batch in results for result in batch]

@@ -5,25 +5,28 @@ the remote service and the judge, scored group by group on the trainer's event l
 see which functions are `async def`; sync ones are only ever called in the worker pool);
 `await rewards.score_group(samples)` gives each sample's `Outcome` per function, the loop calls it for each
 prompt's group as soon as the group's samples are back; `combine` / `check_error_fraction` (combine.py)
-turn a step's outcomes into rewards and metrics.
+turn a step's outcomes into rewards and metrics. `begin_round` / `start_deadline` / `end_round` put a
+round's calls under the step's limits (`step_limits`: too many timeouts, a scoring that never ends).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dsv4rl.config.schema import RewardConfig, RewardFnConfig
-from dsv4rl.reward.combine import Combined, check_error_fraction, combine, settle
+from dsv4rl.reward.combine import Combined, check_error_fraction, check_timeout_fraction, combine, settle
 from dsv4rl.reward.fn_pool import AsyncProcessPool
 from dsv4rl.reward.graders import Grader, PooledGrader, get_grader, grader_options
 from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.judge import JudgeScorer
 from dsv4rl.reward.remote import RemoteScorer
-from dsv4rl.reward.results import Outcome
+from dsv4rl.reward.results import Outcome, RewardError
 from dsv4rl.reward.scorers import AsyncScorer, BuiltinScorer, FnSpec, PoolScorer, Scorer
+from dsv4rl.reward.step_limits import StepWatch
 from dsv4rl.reward.targets import BUILTIN, is_async, load_function, parse_target
 
 
@@ -60,10 +63,20 @@ class Scored:
 class RewardSet:
     """The scorers of a recipe's reward, and the worker pool their sync functions share."""
 
-    def __init__(self, scorers: Sequence[Scorer], pool: AsyncProcessPool | None, max_error_fraction: float):
+    def __init__(
+        self,
+        scorers: Sequence[Scorer],
+        pool: AsyncProcessPool | None,
+        max_error_fraction: float,
+        max_timeout_fraction: float = RewardConfig.max_timeout_fraction,
+        step_timeout_s: float = RewardConfig.step_timeout_s,
+    ):
         self.scorers = list(scorers)
         self.pool = pool
         self.max_error_fraction = max_error_fraction
+        self.limits = StepWatch(max_timeout_fraction, step_timeout_s)
+        for scorer in self.scorers:
+            scorer.watch = self.limits.watch(scorer.spec)
         self._restarts_seen = 0
         # Whether the last round's scoring was slow enough to overlap with generation (train/rewarding.py)
         self.overlap = False
@@ -103,7 +116,7 @@ class RewardSet:
             j = cfg.judge
             spec = FnSpec(j.name, f"judge {j.model} at {j.base_url}", j.weight, j.on_error, j.timeout_s)
             scorers.append(JudgeScorer(spec, j, dirs))
-        return cls(scorers, pool, cfg.max_error_fraction)
+        return cls(scorers, pool, cfg.max_error_fraction, cfg.max_timeout_fraction, cfg.step_timeout_s)
 
     async def start(self) -> None:
         """Start the worker pool before the first step (its imports are paid for here)."""
@@ -121,9 +134,36 @@ class RewardSet:
             isinstance(s, BuiltinScorer) and not isinstance(s.grader, PooledGrader) for s in self.scorers
         )
 
+    def begin_round(self, step: int, samples: int) -> None:
+        """A generation round of `step` with `samples` samples starts: its calls count against the step's
+        limits from here on (called on the event loop that scores it)."""
+        self.limits.begin_round(step, samples)
+
+    def start_deadline(self) -> None:
+        """The round's last sample is back: the scoring left has reward.step_timeout_s."""
+        self.limits.start_deadline()
+
+    def end_round(self) -> None:
+        self.limits.stop_deadline()
+
     async def score_group(self, samples: Sequence[RewardInput]) -> Scored:
-        """Every function on one group's samples, concurrently; on_error=fail raises RewardError."""
-        raws = await asyncio.gather(*(scorer.score(samples) for scorer in self.scorers))
+        """Every function on one group's samples, concurrently; on_error=fail raises RewardError, and so
+        does a limit of the step passed (`step_limits`): then this group's calls are cancelled."""
+        work = asyncio.gather(*(scorer.score(samples) for scorer in self.scorers))
+        tripped = self.limits.tripped
+        try:
+            if tripped is not None:
+                await asyncio.wait({work, tripped}, return_when=asyncio.FIRST_COMPLETED)
+                if tripped.done():
+                    raise RewardError(tripped.result())
+            raws = await work
+        finally:
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+            elif not work.cancelled():
+                work.exception()  # retrieved: a limit's error is the one raised
         outcomes: list[dict[str, Outcome]] = [{} for _ in samples]
         for scorer, results in zip(self.scorers, raws, strict=True):
             for per_sample, sample, raw in zip(outcomes, samples, results, strict=True):
@@ -131,8 +171,9 @@ class RewardSet:
         return Scored(outcomes)
 
     def combine(self, outcomes: Sequence[dict[str, Outcome]]) -> Combined:
-        """The step's rewards and metrics; RewardError when a function failed too often."""
+        """The step's rewards and metrics; RewardError when a function failed or timed out too often."""
         check_error_fraction(self.specs, outcomes, self.max_error_fraction)
+        check_timeout_fraction(self.specs, outcomes, self.limits.max_timeout_fraction, self.limits.step)
         combined = combine(self.specs, outcomes)
         combined.metrics["reward_pool_restarts"] = self.take_restarts()
         return combined

@@ -5,6 +5,9 @@ Only a reward whose scoring took more than half the generation time in the last 
 splits an engine's share of the prompts into several /generate calls, so that groups come back in waves
 and are scored while the rest generate; otherwise (the rule graders, a cheap function) the engines get
 the one call each they always got: the calls would cost more than the overlap hides.
+
+A group whose scoring raises (on_error=fail, a limit of the step passed: `reward.step_limits`) stops the
+round at once, generation included: a reward that always hangs must not cost the step its whole batch.
 """
 
 from __future__ import annotations
@@ -112,6 +115,12 @@ async def generate_and_score(
     parts: dict[int, list[ResponseParts] | None] = {}
     first_back: list[float] = []
 
+    failed: asyncio.Future = asyncio.get_running_loop().create_future()  # its result: the first failed group
+
+    def on_scored(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and not failed.done():
+            failed.set_result(task)
+
     def on_group(group: int, samples: list[Sample]) -> None:
         first_back.append(time.monotonic())
         finals = [final_turn_text(driver.tokenizer, s) for s in samples]
@@ -125,34 +134,42 @@ async def generate_and_score(
             problems[group], samples, split, step, first_index + group * len(samples), chat, finals
         )
         tasks[group] = asyncio.ensure_future(rewards.score_group(inputs))
+        tasks[group].add_done_callback(on_scored)
 
     started = time.monotonic()
     seed = rollout_seed(cfg.seed, step, attempt) if cfg.engine.reproducible_sampling else None
+    if driver.multi_turn is not None:
+        generation = generate_trajectories(
+            driver.clients, problems, driver.multi_turn.runner, algo.group_size, seed, on_group
+        )
+    else:
+        generation = generate_samples(
+            driver.clients,
+            problems,
+            driver.tokenizer,
+            algo.group_size,
+            algo.sampling,
+            seed=seed,
+            renderer=driver.renderer,
+            choices=ChoiceRequest(algo.routing_replay, algo.indexer_replay),
+            on_group=on_group,
+            requests_per_engine=calls_per_engine or calls_for(rewards),
+        )
+    rewards.begin_round(step, len(problems) * algo.group_size)  # before any group can be back
+    generating = asyncio.ensure_future(generation)
     try:
-        if driver.multi_turn is not None:
-            samples = await generate_trajectories(
-                driver.clients, problems, driver.multi_turn.runner, algo.group_size, seed, on_group
-            )
-        else:
-            samples = await generate_samples(
-                driver.clients,
-                problems,
-                driver.tokenizer,
-                algo.group_size,
-                algo.sampling,
-                seed=seed,
-                renderer=driver.renderer,
-                choices=ChoiceRequest(algo.routing_replay, algo.indexer_replay),
-                on_group=on_group,
-                requests_per_engine=calls_per_engine or calls_for(rewards),
-            )
+        samples = await _unless_failed(generating, failed)
         generated = time.monotonic()
-        scored = await asyncio.gather(*(tasks[group] for group in sorted(tasks)))
+        rewards.start_deadline()
+        scored = await _unless_failed(asyncio.gather(*(tasks[group] for group in sorted(tasks))), failed)
     except BaseException:
+        generating.cancel()
         for task in tasks.values():
             task.cancel()
-        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        await asyncio.gather(generating, *tasks.values(), return_exceptions=True)
         raise
+    finally:
+        rewards.end_round()
     outcomes = [per_sample for group in scored for per_sample in group.outcomes]
     split_parts = [p for group in sorted(parts) for p in parts[group]] if parser is not None else None
     per_sample = [problems[s.group] for s in samples]
@@ -160,3 +177,19 @@ async def generate_and_score(
     scoring_span = done - min(first_back, default=done)
     rewards.overlap = scoring_span > OVERLAP_WHEN * (generated - started)  # the next round's calls
     return Round(samples, per_sample, split_parts, outcomes, generated - started, done - generated)
+
+
+async def _unless_failed(work: asyncio.Future, failed: asyncio.Future):  # noqa: ANN202
+    """`work`'s result, or the error of the first group whose scoring raised, whichever comes first
+    (`work` is cancelled then, and when this is)."""
+    try:
+        await asyncio.wait({work, failed}, return_when=asyncio.FIRST_COMPLETED)
+        if failed.done():
+            failed.result().result()  # raises it
+        return work.result()
+    finally:
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+        elif not work.cancelled():
+            work.exception()  # retrieved: the group's error is the one raised
