@@ -27,7 +27,12 @@ def test_tir_is_dapo_math_with_the_python_tool(tir: Config) -> None:
     dapo = compose("dapo_math", ADDRS)
     r = tir.rollout
     assert r.mode == RolloutMode.tools and [t.target for t in r.tools] == ["builtin:python"]
-    assert r.tools[0].kwargs == {"isolation": "auto", "timeout_s": 10.0, "memory_mb": 2048, "max_processes": 8}
+    assert r.tools[0].kwargs == {
+        "isolation": "auto",
+        "timeout_s": 10.0,
+        "memory_mb": 2048,
+        "max_processes": 8,
+    }
     assert r.tools[0].timeout_s > 10.0
     assert (r.max_turns, r.max_tool_calls, r.max_tool_output_tokens) == (8, 8, 1024)
     assert r.truncate_side == TruncateSide.middle and r.max_concurrent_tools >= 1

@@ -263,7 +263,9 @@ class PythonTool:
                 try:
                     cgroup.add(proc.pid)
                 except OSError as error:  # the code never runs outside its cgroup
-                    raise RuntimeError(f"python tool: the call could not join its cgroup ({error})") from error
+                    raise RuntimeError(
+                        f"python tool: the call could not join its cgroup ({error})"
+                    ) from error
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 proc.stdin.write(code.encode("utf-8", "surrogatepass"))
                 await proc.stdin.drain()
