@@ -373,7 +373,7 @@ def judge_request_problems(contract: dict) -> list[str]:
     """The judge's /v1/chat/completions body (reward.judge) against SGLang's ChatCompletionRequest."""
     from dsv4rl.config.schema import RewardJudgeConfig, RewardOnError
     from dsv4rl.reward.judge import CHAT_ROUTE, JudgeScorer
-    from dsv4rl.reward.scorers import FnSpec
+    from dsv4rl.reward.results import FnSpec
 
     judge = JudgeScorer(
         FnSpec("judge", "j", 1.0, RewardOnError.zero, 1.0), RewardJudgeConfig(base_url="http://j"), []

@@ -29,9 +29,9 @@ from dsv4rl.reward.graders import (
     get_grader,
     grade_responses,
 )
-from dsv4rl.reward.results import RewardError
+from dsv4rl.reward.results import FnSpec, RewardError
 from dsv4rl.reward.rewarder import RewardSet
-from dsv4rl.reward.scorers import BuiltinScorer, FnSpec
+from dsv4rl.reward.scorers import BuiltinScorer
 from dsv4rl.reward.verify_pool import verify_answer
 from dsv4rl.rollout.types import Sample
 from dsv4rl.train import rewarding

@@ -12,7 +12,7 @@ import pytest
 from dsv4rl.config.schema import RewardJudgeConfig, RewardOnError
 from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.judge import JudgeScorer, RateLimiter, render, reply_parser, template_problem
-from dsv4rl.reward.scorers import FnSpec
+from dsv4rl.reward.results import FnSpec
 from dsv4rl.reward.verify_pool import CallFailed
 
 HERE = Path(__file__).resolve().parent

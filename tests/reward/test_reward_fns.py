@@ -12,9 +12,8 @@ from dsv4rl.config.schema import RewardConfig, RewardFnConfig, RewardOnError
 from dsv4rl.reward.combine import combine, function_metrics
 from dsv4rl.reward.graders import ArithGrader, grade_responses
 from dsv4rl.reward.inputs import RewardInput
-from dsv4rl.reward.results import BadResult, Outcome, RewardError, read_result, user_frame
+from dsv4rl.reward.results import BadResult, FnSpec, Outcome, RewardError, read_result, user_frame
 from dsv4rl.reward.rewarder import RewardSet, effective_fns
-from dsv4rl.reward.scorers import FnSpec
 from dsv4rl.reward.targets import TargetError, load_function, parse_target, signature_problem
 
 HERE = Path(__file__).resolve().parent

@@ -26,9 +26,9 @@ from dsv4rl.reward.combine import check_timeout_fraction, function_metrics
 from dsv4rl.reward.fn_pool import AsyncProcessPool
 from dsv4rl.reward.fn_worker import call_target
 from dsv4rl.reward.graders import PooledGrader
-from dsv4rl.reward.results import Outcome, RewardError
+from dsv4rl.reward.results import FnSpec, Outcome, RewardError
 from dsv4rl.reward.rewarder import RewardSet
-from dsv4rl.reward.scorers import BuiltinScorer, FnSpec
+from dsv4rl.reward.scorers import BuiltinScorer
 from dsv4rl.reward.step_limits import StepWatch
 from dsv4rl.reward.targets import parse_target
 from dsv4rl.reward.verify_pool import TIMED_OUT

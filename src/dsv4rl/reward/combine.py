@@ -19,8 +19,7 @@ from typing import Any
 
 from dsv4rl.config.schema import RewardOnError
 from dsv4rl.reward.inputs import RewardInput
-from dsv4rl.reward.results import BadResult, Outcome, RewardError, read_result, user_frame
-from dsv4rl.reward.scorers import FnSpec
+from dsv4rl.reward.results import BadResult, FnSpec, Outcome, RewardError, read_result, user_frame
 from dsv4rl.reward.step_limits import timeouts_message
 from dsv4rl.reward.verify_pool import TIMED_OUT, CallFailed
 

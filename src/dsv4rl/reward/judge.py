@@ -26,8 +26,7 @@ import httpx
 from dsv4rl.config.schema import RewardJudgeConfig
 from dsv4rl.reward.http_retry import BACKOFF_S, HTTPScorerClient, RewardHTTPError, json_reply, post_json
 from dsv4rl.reward.inputs import RewardInput, template_fields
-from dsv4rl.reward.results import BadResult, read_result
-from dsv4rl.reward.scorers import FnSpec
+from dsv4rl.reward.results import BadResult, FnSpec, read_result
 from dsv4rl.reward.targets import BUILTIN, load_function, looks_like_target, parse_target
 from dsv4rl.reward.verify_pool import CallFailed, call_failed
 

@@ -13,8 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv4rl.config.schema import RewardOnError
+
 # metrics.jsonl keys of each function's counts: a dict result may not use these names
 COUNT_KEYS = ("scored", "none", "timeouts", "errors")
+
+
+@dataclass(frozen=True)
+class FnSpec:
+    """What the reward maths and the error policy need to know of a function."""
+
+    name: str
+    target: str  # as the recipe wrote it (messages)
+    weight: float
+    on_error: RewardOnError
+    timeout_s: float
+    group: bool = False
+    zero: float = 0.0  # what on_error=zero gives (a builtin grader: its `incorrect`)
 
 
 class RewardError(RuntimeError):

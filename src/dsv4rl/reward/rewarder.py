@@ -24,8 +24,8 @@ from dsv4rl.reward.graders import Grader, PooledGrader, get_grader, grader_optio
 from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.judge import JudgeScorer
 from dsv4rl.reward.remote import RemoteScorer
-from dsv4rl.reward.results import Outcome, RewardError
-from dsv4rl.reward.scorers import AsyncScorer, BuiltinScorer, FnSpec, PoolScorer, Scorer
+from dsv4rl.reward.results import FnSpec, Outcome, RewardError
+from dsv4rl.reward.scorers import AsyncScorer, BuiltinScorer, PoolScorer, Scorer
 from dsv4rl.reward.step_limits import StepWatch
 from dsv4rl.reward.targets import BUILTIN, is_async, load_function, parse_target
 

@@ -11,30 +11,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dsv4rl.config.schema import RewardOnError
 from dsv4rl.reward.fn_pool import AsyncProcessPool
 from dsv4rl.reward.fn_worker import call_target
 from dsv4rl.reward.graders import Grader, PooledGrader
 from dsv4rl.reward.inputs import RewardInput
+from dsv4rl.reward.results import FnSpec
 from dsv4rl.reward.step_limits import NO_WATCH, FunctionWatch
 from dsv4rl.reward.targets import Target
 from dsv4rl.reward.verify_pool import TIMED_OUT, CallFailed, call_failed
-
-
-@dataclass(frozen=True)
-class FnSpec:
-    """What the reward maths and the error policy need to know of a function."""
-
-    name: str
-    target: str  # as the recipe wrote it (messages)
-    weight: float
-    on_error: RewardOnError
-    timeout_s: float
-    group: bool = False
-    zero: float = 0.0  # what on_error=zero gives (a builtin grader: its `incorrect`)
 
 
 class Scorer(Protocol):

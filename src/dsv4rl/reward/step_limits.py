@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from dsv4rl.reward.verify_pool import TIMED_OUT
 
 if TYPE_CHECKING:
-    from dsv4rl.reward.scorers import FnSpec
+    from dsv4rl.reward.results import FnSpec
 
 # What the messages suggest, in the order worth trying
 TIMEOUT_FIX = (
