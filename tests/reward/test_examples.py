@@ -62,3 +62,42 @@ def test_the_group_reward_is_agreement_with_the_majority() -> None:
     assert [o["agree"].score for o in outcomes] == [1.0, 1.0, 0.0, None]
     assert outcomes[0]["agree"].extras == {"share": 0.5}
     assert combined.totals == [pytest.approx(1.1), pytest.approx(1.1), 0.0, 0.0]
+
+
+def test_the_code_task_runs_the_models_program_in_the_sandbox() -> None:
+    """examples/code_reward.py scores through the python tool's sandbox: a hostile answer reaches nothing."""
+    import importlib.util
+    import socket
+
+    spec = importlib.util.spec_from_file_location("code_reward", EXAMPLES / "code_reward.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.SANDBOX.isolation in ("namespaces", "landlock")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.setblocking(False)
+    port = server.getsockname()[1]
+    hostile = (
+        "```python\nimport ctypes\ndef solution():\n"
+        "    fd = ctypes.CDLL(None).socket(2, 1, 0)\n"
+        f"    return 7 if fd < 0 else __import__('socket').create_connection(('127.0.0.1', {port}))\n```"
+    )
+    meta = {"tests": ["assert solution() == 7"], "entry_point": "solution"}
+
+    async def scores():
+        answers = ["7", "8", "while True: pass", hostile]
+        return [
+            await module.run_tests(RewardInput(prompt="", response=a, answer=a, metadata=meta))
+            for a in answers
+        ]
+
+    try:
+        right, wrong, loop, contained = asyncio.run(scores())
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    finally:
+        server.close()
+    assert right == {"score": 1.0, "compiled": 1.0} and wrong == {"score": 0.0, "compiled": 1.0}
+    assert loop["score"] == 0.0
+    assert contained == {"score": 1.0, "compiled": 1.0}  # it ran, and its socket() was refused

@@ -349,3 +349,11 @@ def test_modes_are_refused_where_they_cannot_isolate():
     if os.geteuid() == 0 and not FACTS.rlimits_works:  # the uid of its own cannot read this interpreter
         with pytest.raises(IsolationUnavailable, match="must be able to read"):
             PythonTool(isolation="rlimits", trust_model_code=True)
+
+
+@pytest.mark.parametrize("isolation,python", ISOLATIONS)
+def test_one_process_runs_and_cannot_fork(isolation, python):
+    tool = PythonTool(timeout_s=5, memory_mb=256, max_processes=1, isolation=isolation, python=python)
+    (result,), _ = run_calls(tool, "import os\nprint('ran')\nos.fork()")
+    assert result.text.startswith("ran\n") and "BlockingIOError" in result.text and result.error
+    assert "no subprocesses" in tool.schema["description"]

@@ -34,7 +34,7 @@ from dsv4rl.tools.remote_sandbox import RemoteRun, SandboxFusionClient, probe_se
 from dsv4rl.tools.sandbox import probe as sandbox
 from dsv4rl.tools.sandbox.cgroups import CallCgroup, find_parent
 from dsv4rl.tools.sandbox.isolation import IsolationPlan, SandboxFacts, plan_isolation, remote_plan
-from dsv4rl.tools.sandbox.runner import SETUP_FAILED
+from dsv4rl.tools.sandbox.runner import SETUP_FAILED, SUPERVISORS
 from dsv4rl.tools.sandbox.seccomp import seccomp_program
 
 _UID_BASE = 0x70000000  # trajectories' uids when run as root: _UID_BASE + a random 24-bit number
@@ -197,7 +197,7 @@ class PythonTool:
         output = _Output(4 * self.max_output_chars + 16)
         cgroup = None
         if self.cgroup_parent is not None:
-            cgroup = CallCgroup(self.cgroup_parent, self.memory_mb, self.max_processes)
+            cgroup = CallCgroup(self.cgroup_parent, self.memory_mb, self.max_processes + SUPERVISORS)
             try:
                 cgroup.create()
             except OSError as error:

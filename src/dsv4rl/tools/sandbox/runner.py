@@ -31,6 +31,7 @@ import os
 import sys
 
 SETUP_FAILED = 121  # the runner's exit status when the sandbox could not be set up
+SUPERVISORS = 2  # the runner and (namespaces) the pid namespace's init: in the call's cgroup, not the code's
 _READ_ONLY_SYSTEM = ("/usr/share", "/usr/lib", "/usr/lib64", "/usr/local/lib", "/etc/localtime",
                      "/proc/self", "/proc/cpuinfo", "/proc/meminfo", "/sys/devices/system/cpu")  # fmt: skip
 DEVICES = ("null", "zero", "full", "random", "urandom")
