@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import random
 import shutil
@@ -37,6 +38,7 @@ from dsv4rl.tools.sandbox.isolation import IsolationPlan, SandboxFacts, plan_iso
 from dsv4rl.tools.sandbox.runner import SETUP_FAILED, SUPERVISORS
 from dsv4rl.tools.sandbox.seccomp import seccomp_program
 
+log = logging.getLogger(__name__)
 _UID_BASE = 0x70000000  # trajectories' uids when run as root: _UID_BASE + a random 24-bit number
 _TERM_GRACE_S = 2.0  # after its deadline the runner gets this long to kill its descendants, then SIGKILL
 
@@ -125,6 +127,7 @@ class PythonTool:
             self.unshare = shutil.which("unshare")
         self.isolation = str(self.plan.mode)
         self.max_processes = self.plan.max_processes
+        log.info("python tool: isolation %s", self.describe())
         files = "do not persist either" if self.remote else "written to the current directory do"
         self.schema = {
             "name": "python",

@@ -155,6 +155,8 @@ def _local_plan(
         layers["cleanup"] += ", and the call's cgroup is emptied"
     # seccomp everywhere it works, as a second wall; in rlimits only where it holds the call to one process
     seccomp = facts.seccomp and (mode != SandboxIsolation.rlimits or (not allow_fork and not own_uid))
+    if seccomp and mode == SandboxIsolation.rlimits:
+        layers["network"] = "refused by the seccomp filter that holds the call to one process"
     plan = IsolationPlan(
         mode, layers, enforced, bool(facts.cgroup), seccomp, allow_fork, (note,) if note else ()
     )
