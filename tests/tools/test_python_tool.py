@@ -357,3 +357,14 @@ def test_one_process_runs_and_cannot_fork(isolation, python):
     (result,), _ = run_calls(tool, "import os\nprint('ran')\nos.fork()")
     assert result.text.startswith("ran\n") and "BlockingIOError" in result.text and result.error
     assert "no subprocesses" in tool.schema["description"]
+
+
+def test_a_scratch_directory_over_its_bound_is_emptied_and_the_model_told():
+    tool = PythonTool(timeout_s=10, memory_mb=256, max_scratch_mb=16)
+    write = "for i in range(5):\n    open(f'f{i}', 'wb').write(b'x' * (5 << 20))\nprint('wrote')"
+    (kept, over, after), state = run_calls(
+        tool, "open('small', 'w').write('ok')", write, "import os\nprint(sorted(os.listdir('.')))"
+    )
+    assert not kept.error
+    assert over.error and over.text.startswith("wrote\n") and "over the 16 MB allowed" in over.text
+    assert after.text == "[]\n"

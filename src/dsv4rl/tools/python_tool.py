@@ -102,12 +102,13 @@ class PythonTool:
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 1024, cpu_s: float | None = None,
                  max_output_chars: int = 4096, max_processes: int = 64, isolation: str = "auto",
                  trust_model_code: bool = False, python: str | None = None,
-                 remote: dict[str, Any] | None = None):  # fmt: skip
+                 remote: dict[str, Any] | None = None, max_scratch_mb: int = 256):  # fmt: skip
         requested = choice(SandboxIsolation, isolation, "the python tool's isolation")
         self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
         self.max_output_chars = int(max_output_chars)
         self.cpu_s = float(cpu_s if cpu_s is not None else timeout_s)
         self.python = python or sys.executable
+        self.max_scratch_mb = int(max_scratch_mb)
         if self.timeout_s <= 0 or self.memory_mb < 16 or int(max_processes) < 1:
             raise ValueError("python tool: timeout_s must be > 0, memory_mb >= 16 and max_processes >= 1 "
                              f"(got {timeout_s}, {memory_mb}, {max_processes})")  # fmt: skip
@@ -128,6 +129,8 @@ class PythonTool:
         self.isolation = str(self.plan.mode)
         self.max_processes = self.plan.max_processes
         log.info("python tool: isolation %s", self.describe())
+        for note in self.plan.notes:
+            log.warning("python tool: %s", note)
         files = "do not persist either" if self.remote else "written to the current directory do"
         self.schema = {
             "name": "python",
@@ -221,12 +224,25 @@ class PythonTool:
             raise RuntimeError(f"python tool: the sandbox could not be set up ({self.isolation}): "
                                f"{text.strip()[-300:]}")  # fmt: skip
         metrics = {"exit_code": float(code_rc), "time_s": elapsed}
-        if code_rc == 0 and not timed_out:
+        scratch = await self._bound_scratch(state)
+        if code_rc == 0 and not timed_out and not scratch:
             return ToolResult(text if text.strip() else "(no output)", metrics=metrics)
-        reason = self._reason(code_rc, timed_out, text, memory_hit)
+        reason = "\n".join(r for r in (self._reason(code_rc, timed_out, text, memory_hit), scratch) if r)
         timed_out = timed_out or code_rc == -signal.SIGXCPU
         text = f"{text.rstrip()}\n{reason}".lstrip()
         return ToolResult(text, metrics=metrics, error=True, timed_out=timed_out)
+
+    async def _bound_scratch(self, state: PythonState) -> str:
+        """RLIMIT_FSIZE bounds one file, not how many: a scratch directory over `max_scratch_mb` after a
+        call is emptied, and the model told so (what one call writes meanwhile is bounded by its time)."""
+        if state.active:  # another call of the trajectory still writes there: the last one checks
+            return ""
+        held = await asyncio.to_thread(_disk_usage, state.path)
+        if held <= self.max_scratch_mb << 20:
+            return ""
+        await asyncio.to_thread(_empty, state.path)
+        return (f"error: the working directory held {held >> 20} MB, over the {self.max_scratch_mb} MB "
+                "allowed: its files were removed")  # fmt: skip
 
     def _remote_result(self, run: RemoteRun) -> ToolResult:
         if run.sandbox_error:  # the service failed after its retries: never scored as the model's error
@@ -304,6 +320,8 @@ class PythonTool:
         return proc.returncode, timed_out
 
     def _reason(self, code_rc: int, timed_out: bool, text: str, memory_hit: bool) -> str:
+        if code_rc == 0 and not timed_out:
+            return ""
         if timed_out:
             return f"error: timed out after {self.timeout_s:g} s (process killed)"
         if memory_hit:
@@ -320,6 +338,27 @@ class PythonTool:
         if lines and lines[-1].startswith("MemoryError"):
             return f"error: exit status {code_rc} (MemoryError: memory limit {self.memory_mb} MB)"
         return f"error: exit status {code_rc}"
+
+
+def _disk_usage(path: str) -> int:
+    """Bytes of the files under `path` (allocated blocks: a sparse file counts what it holds)."""
+    total = 0
+    for folder, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_blocks * 512
+    return total
+
+
+def _empty(path: str) -> None:
+    """Remove what `path` holds, keeping the directory (its owner and mode) for the next call."""
+    for entry in os.listdir(path):
+        full = os.path.join(path, entry)
+        if os.path.isdir(full) and not os.path.islink(full):
+            _remove(full)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(full)
 
 
 def _remove(path: str) -> None:
