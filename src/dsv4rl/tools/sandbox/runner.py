@@ -340,7 +340,8 @@ def _init(cfg: dict, code: str, report: int) -> None:
 
 
 def descendants(root: int) -> list[int]:
-    """Live descendants of `root`, parents before children (a scan of /proc)."""
+    """Live descendants of `root`, parents before children (a scan of /proc). dsv4rl.faults.proc_tree does
+    the same for the trainer; this file runs where dsv4rl may not be importable, so it has its own."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
