@@ -368,3 +368,17 @@ def test_a_scratch_directory_over_its_bound_is_emptied_and_the_model_told():
     assert not kept.error
     assert over.error and over.text.startswith("wrote\n") and "over the 16 MB allowed" in over.text
     assert after.text == "[]\n"
+
+
+@needs_namespaces
+def test_an_interpreter_under_tmp_stays_visible_in_the_new_root(tmp_path):
+    """The namespaces mode mounts its own /tmp: a venv under the host's /tmp (a CI checkout) is bound over it."""
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    tool = PythonTool(timeout_s=10, isolation="namespaces", python=str(venv / "bin" / "python"))
+    code = "import subprocess, sys\nprint(sys.prefix)\nsubprocess.run([sys.executable, '-c', 'print(42)'])"
+    (result,), _ = run_calls(tool, code)
+    assert result.text == f"{venv}\n42\n", result.text

@@ -92,25 +92,25 @@ def _new_root(cfg: dict) -> None:
     keep = os.open(scratch, os.O_PATH | os.O_DIRECTORY)  # the scratch dir, once the tmpfs covers its path
     new = scratch
     _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    size = f"size={cfg['tmpfs_mb']}m,mode=1777"
+    for path in ("/dev/shm", "/tmp"):  # first: an interpreter or venv under /tmp is bound on top of it
+        os.makedirs(new + path, exist_ok=True)
+        _mount("tmpfs", new + path, "tmpfs", MS_NOSUID | MS_NODEV, size)
     bound: list[str] = []
     for path in (*SYSTEM_DIRS, *cfg["python_dirs"]):
         if any(path == b or path.startswith(b + "/") for b in bound) or not os.path.lexists(path):
             continue
         if os.path.islink(path):
+            os.makedirs(os.path.dirname(new + path), exist_ok=True)
             os.symlink(os.readlink(path), new + path)
         else:
             _bind(path, new + path)
             bound.append(path)
-    os.makedirs(new + "/dev", exist_ok=True)
     for name in DEVICES:
         _bind(f"/dev/{name}", f"{new}/dev/{name}", read_only=False)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):  # fmt: skip
         os.symlink(target, f"{new}/dev/{name}")
-    size = f"size={cfg['tmpfs_mb']}m,mode=1777"
-    for path in ("/dev/shm", "/tmp"):
-        os.makedirs(new + path, exist_ok=True)
-        _mount("tmpfs", new + path, "tmpfs", MS_NOSUID | MS_NODEV, size)
     os.makedirs(new + scratch, exist_ok=True)
     _mount(f"/proc/self/fd/{keep}", new + scratch, None, MS_BIND)
     os.close(keep)
