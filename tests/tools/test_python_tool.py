@@ -372,7 +372,7 @@ def test_a_scratch_directory_over_its_bound_is_emptied_and_the_model_told():
 
 @needs_namespaces
 def test_an_interpreter_under_tmp_stays_visible_in_the_new_root(tmp_path):
-    """The namespaces mode mounts its own /tmp: a venv under the host's /tmp (a CI checkout) is bound over it."""
+    """The namespaces mode mounts its own /tmp: a venv under the host's /tmp (a CI checkout) is bound in."""
     import subprocess
     import sys
 
