@@ -22,6 +22,18 @@ from omegaconf import OmegaConf
 
 TABLE = Path(__file__).with_name("reference_run.yaml")
 STATUSES = ("same", "different", "missing")
+GROUP_TITLES = {
+    "data": "Data", "prompt": "Prompt and chat template", "sampling": "Sampling", "batch": "Batch and group sizes",
+    "oversampling_filters": "Over-sampling and filters", "loss": "Loss, clipping and reward",
+    "tis_mis": "TIS / MIS", "kl_entropy": "KL and entropy", "optimizer": "Optimizer and schedule",
+    "frozen_parameters": "Frozen parameters", "routing_replay": "Routing replay",
+    "precision": "Precision and quantization", "parallel": "Parallel layout",
+    "sequence_limits": "Sequence limits", "max_tokens_per_gpu": "Max tokens per GPU",
+    "balance_data": "Balance data", "engine": "Engine flags", "environment": "Environment", "eval": "Eval",
+    "mode": "Mode: async, staleness, pause", "update_buffer": "Update buffer",
+    "fault_tolerance": "Fault tolerance and checkpoints", "deterministic": "Deterministic training",
+    "model": "Model",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,7 @@ class ReferenceRow:
     key: str | None
     status: str
     expected: Any  # the value at `key` that is the reference's (the table's `dsv4rl`)
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -60,9 +73,13 @@ def reference_rows() -> tuple[ReferenceRow, ...]:
     for index, entry in enumerate(yaml.safe_load(TABLE.read_text())):
         row = ReferenceRow(
             str(entry["setting"]), str(entry["group"]), entry.get("reference"), str(entry["source"]),
-            entry.get("key"), str(entry["status"]), entry.get("dsv4rl"),
+            entry.get("key"), str(entry["status"]), entry.get("dsv4rl"), str(entry.get("why") or ""),
         )  # fmt: skip
-        if row.status not in STATUSES or (row.status == "same" and not row.key):
+        if (
+            row.status not in STATUSES
+            or (row.status == "same" and not row.key)
+            or row.group not in GROUP_TITLES
+        ):
             raise ValueError(
                 f"{TABLE} entry {index} ({row.setting!r}): status {row.status!r} with key {row.key}"
             )
@@ -96,7 +113,7 @@ def _equal(reference: Any, value: Any) -> bool:
 
 
 def _text(value: Any) -> str:
-    text = str(value)
+    text = _cell(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -113,3 +130,34 @@ def compare(cfg: Any) -> ReferenceComparison:
         else:
             changed.append((row, value))
     return ReferenceComparison(tuple(kept), tuple(changed))
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    if isinstance(value, (list, dict)):
+        return yaml.safe_dump(value, default_flow_style=True, width=1000).strip()
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_tables(rows: tuple[ReferenceRow, ...] | None = None) -> str:
+    """The table as docs/reference_run.md prints it, a section per group (the doc is checked against this)."""
+    rows = reference_rows() if rows is None else rows
+    out = []
+    for group, title in GROUP_TITLES.items():
+        mine = [r for r in rows if r.group == group]
+        if not mine:
+            continue
+        out += [f"### {title}", "", "| setting | reference | source | dsv4rl key = value | same / why not |",
+                "|---|---|---|---|---|"]  # fmt: skip
+        for r in mine:
+            key = f"`{r.key}` = {_cell(r.expected)}" if r.key else "(no key)"
+            verdict = "same" if r.status == "same" else f"**{r.status}**"
+            verdict += f": {_cell(r.why)}" if r.why else ""
+            out.append(
+                f"| {_cell(r.setting)} | {_cell(r.reference)} | {_cell(r.source)} | {key} | {verdict} |"
+            )
+        out.append("")
+    return "\n".join(out)

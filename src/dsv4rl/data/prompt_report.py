@@ -8,6 +8,7 @@ listed beside the prompts.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from rich.console import Console
@@ -55,15 +56,27 @@ def prompt_report(cfg: Config, renderer: PromptRenderer, n: int, tokenizer_name:
         "chat_format": settings.format.value,
         "thinking": settings.thinking,
         "reasoning_effort": settings.reasoning_effort.value if settings.reasoning_effort else None,
+        "effort_line": effort_line(prompts[0]["text"]) if prompts else None,
         "tokenizer": tokenizer_name,
         "rollout_mode": cfg.rollout.mode.value,
         "tools": [dict(schema) for schema in renderer.tools],
     }
 
 
+def effort_line(text: str, words: int = 6) -> str | None:
+    """The first words of the prompt's "Reasoning Effort:" line, None without one: what a tier renders
+    depends on the encoder (deepseek-recipe 0.2.0's `low` writes none, its `high` "Absolute maximum ..."),
+    so the text is shown beside the tier's name (docs/reference_run.md)."""
+    match = re.search(r"Reasoning Effort:[^\n]*", text)
+    return " ".join(match.group(0).split()[:words]) + " ..." if match else None
+
+
 def render_prompts(report: dict[str, Any], console: Console) -> None:
     """The report as two rich tables: the first prompts, then the length distribution."""
-    effort = f", reasoning_effort={report['reasoning_effort']}" if report["reasoning_effort"] else ""
+    effort = ""
+    if report["chat_format"] == "deepseek_v4" and report["thinking"]:
+        line = report.get("effort_line")
+        effort = f", reasoning_effort={report['reasoning_effort']} ({line or 'no effort line'})"
     title = (
         f"{report['data']}: chat_format={report['chat_format']}, thinking={str(report['thinking']).lower()}"
         f"{effort}, tokenizer {report['tokenizer']}"

@@ -23,6 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dsv4rl.config.compose import ConfigError
+from dsv4rl.config.reference_run import compare as compare_with_reference
 from dsv4rl.config.schema import (
     ClusterKind,
     Config,
@@ -173,6 +174,7 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
         "engines": engines,
         "nodes": [{**node_plan(cfg, run_dir, n), "memory": node_memory(memory, n)} for n in nodes],
         "warnings": list(warnings or []),
+        "reference_run": reference_run_plan(cfg),
     }
 
 
@@ -376,6 +378,19 @@ def _env_text(env: dict[str, str]) -> str:
     return "\n".join(f"{k}={v}" for k, v in env.items()) or "-"
 
 
+def reference_run_plan(cfg: Config) -> dict[str, Any]:
+    """Of the published run's settings dapo_math keeps (docs/reference_run.md): which this config keeps."""
+    comparison = compare_with_reference(cfg)
+    return {
+        "kept": len(comparison.kept),
+        "total": len(comparison.kept) + len(comparison.changed),
+        "changed": [
+            {"key": row.key, "reference": row.expected, "value": value} for row, value in comparison.changed
+        ],
+        "line": comparison.line(),
+    }
+
+
 def render_plan(plan: dict[str, Any], console: Console) -> None:
     """One panel per node: a process table and the environment each process gets."""
     console.print(
@@ -453,3 +468,4 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
         console.print(Panel(Group(table, env), title=title, title_align="left", expand=False))
     for warning in plan["warnings"]:
         console.print(Text(f"warning: {warning}", style="yellow"), soft_wrap=True)
+    console.print(plan["reference_run"]["line"], soft_wrap=True, highlight=False)
