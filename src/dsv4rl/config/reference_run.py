@@ -23,7 +23,8 @@ from omegaconf import OmegaConf
 TABLE = Path(__file__).with_name("reference_run.yaml")
 STATUSES = ("same", "different", "missing")
 GROUP_TITLES = {
-    "data": "Data", "prompt": "Prompt and chat template", "sampling": "Sampling", "batch": "Batch and group sizes",
+    "data": "Data", "prompt": "Prompt and chat template", "sampling": "Sampling",
+    "batch": "Batch and group sizes",
     "oversampling_filters": "Over-sampling and filters", "loss": "Loss, clipping and reward",
     "tis_mis": "TIS / MIS", "kl_entropy": "KL and entropy", "optimizer": "Optimizer and schedule",
     "frozen_parameters": "Frozen parameters", "routing_replay": "Routing replay",
