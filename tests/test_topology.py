@@ -11,7 +11,7 @@ ADDRS = "cluster.node_addrs=[n0,n1,n2,n3]"
 
 
 def test_the_reference_run():
-    """dapo_math: 2 trainer nodes (TP1/PP4/EP4 over 16 ranks), 2 rollout nodes with 2 engines each."""
+    """dapo_math: 2 trainer nodes (TP1/PP4/EP4 over 16 ranks), 2 rollout nodes with one TP8 engine each."""
     layout = topology(compose("dapo_math", [ADDRS]))
     assert [(n.node, n.roles) for n in layout.nodes] == [
         (0, ["trainer"]),
@@ -21,17 +21,10 @@ def test_the_reference_run():
     ]
     assert [(e.index, e.node, e.local, e.port) for e in layout.engines] == [
         (0, 2, 0, 30000),
-        (1, 2, 1, 30001),
-        (2, 3, 0, 30000),
-        (3, 3, 1, 30001),
+        (1, 3, 0, 30000),
     ]
-    assert layout.engine_urls() == [
-        "http://n2:30000",
-        "http://n2:30001",
-        "http://n3:30000",
-        "http://n3:30001",
-    ]
-    assert [e.name for e in layout.remote_engines(0)] == ["engine-0", "engine-1", "engine-2", "engine-3"]
+    assert layout.engine_urls() == ["http://n2:30000", "http://n3:30000"]
+    assert [e.name for e in layout.remote_engines(0)] == ["engine-0", "engine-1"]
     assert layout.remote_engines(2) == []  # a rollout node waits for no one
     ranks = layout.ranks
     assert len(ranks) == 16 and [r.node for r in ranks] == [0] * 8 + [1] * 8

@@ -11,7 +11,7 @@ from dsv4rl.config.compose import compose
 from dsv4rl.config.schema import DeviceFamily, DeviceKind
 from dsv4rl.quant.sglang_moe import DEVICE_FAMILY
 
-REPLAY = ("algo.indexer_replay=true", "parallel.rollout.data_parallel=4")  # attention TP 1
+REPLAY = ("algo.indexer_replay=true", "parallel.rollout.data_parallel=8")  # attention TP 1
 ROCM = [kind for kind, family in DEVICE_FAMILY.items() if family in (DeviceFamily.cdna3, DeviceFamily.cdna4)]
 
 
@@ -77,12 +77,13 @@ def test_every_row_names_its_families_source_and_fix() -> None:
 
 def test_the_next_finding_is_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
     row = FamilyFinding(
-        feature="fp32 logits", key="engine.fp32_lm_head=true", asks=lambda cfg: cfg.engine.fp32_lm_head,
+        feature="routing replay", key="algo.routing_replay=true", asks=lambda cfg: cfg.algo.routing_replay,
         runs_on=frozenset({DeviceFamily.cdna4}), elsewhere="(a test row)", source="sglang/srt/x.py:1",
-        fix="set engine.fp32_lm_head=false",
+        fix="set algo.routing_replay=false",
     )  # fmt: skip
     monkeypatch.setattr(sglang_families, "FINDINGS", [*FINDINGS, row])
-    assert problems("dapo_math") == []
-    (problem,) = problems("dapo_math", "cluster.device=h200", "run.force_memory_plan=true")
-    assert problem.startswith("engine.fp32_lm_head=true asks SGLang for fp32 logits")
+    on = "algo.routing_replay=true"
+    assert problems("dapo_math", on) == []
+    (problem,) = problems("dapo_math", on, "cluster.device=h200", "run.force_memory_plan=true")
+    assert problem.startswith("algo.routing_replay=true asks SGLang for routing replay")
     assert "(a test row)" in problem

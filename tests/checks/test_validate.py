@@ -198,13 +198,13 @@ def test_sglang_rejected_on_cpu(tiny: Config) -> None:
 
 
 def test_engine_gpus_must_equal_rollout_tp(dapo: Config) -> None:
-    dapo.parallel.rollout.gpus_per_engine = 8
-    assert_problem(dapo, "gpus_per_engine=8 must equal", "tensor_parallel=4")
+    dapo.parallel.rollout.gpus_per_engine = 4
+    assert_problem(dapo, "gpus_per_engine=4 must equal", "tensor_parallel=8")
 
 
 def test_rollout_gpus_must_fit(dapo: Config) -> None:
     dapo.parallel.rollout.num_engines = 5
-    assert_problem(dapo, "5 engines x 4 GPUs = 20 GPUs", "have 16")
+    assert_problem(dapo, "5 engines x 8 GPUs = 40 GPUs", "have 16")
 
 
 def test_rollout_expert_parallel_divides_tp(dapo: Config) -> None:

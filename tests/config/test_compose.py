@@ -84,11 +84,11 @@ def test_dapo_math_composes_with_reference_run_facts(monkeypatch: pytest.MonkeyP
     )
     assert (t.last_stage_layers, t.optimizer_offload_fraction, t.precision_aware_optimizer) == (
         10,
-        0.75,
+        1.0,
         True,
     )
-    assert (t.nnodes, t.nproc_per_node, r.nnodes, r.num_engines, r.gpus_per_engine) == (2, 8, 2, 4, 4)
-    assert (r.mem_fraction_static, r.max_running_requests, r.watchdog_timeout_s) == (0.5, 48, 1800.0)
+    assert (t.nnodes, t.nproc_per_node, r.nnodes, r.num_engines, r.gpus_per_engine) == (2, 8, 2, 2, 8)
+    assert (r.mem_fraction_static, r.max_running_requests, r.watchdog_timeout_s) == (0.7, 48, 1800.0)
     assert r.engine is RolloutEngineKind.sglang
     assert cfg.comm.backend is CommBackend.nccl
     env = cfg.comm.env
@@ -98,7 +98,8 @@ def test_dapo_math_composes_with_reference_run_facts(monkeypatch: pytest.MonkeyP
     assert cfg.quant.engine_env == {"SGLANG_DSV4_FP4_DEQUANT": "1", "SGLANG_OPT_FP8_WO_A_GEMM": "0"}
     a = cfg.algo
     assert (a.eps_clip_low, a.eps_clip_high, a.kl_coef) == (0.2, 0.28, 0.0)
-    assert a.tis.enabled and a.tis.clip == 2.0 and a.dynamic_sampling.enabled and a.overlong.enabled
+    assert a.tis.enabled and a.tis.clip == 2.0 and not a.dynamic_sampling.enabled and not a.overlong.enabled
+    assert a.name == "grpo" and a.loss_aggregation == "seq_mean_token_mean" and a.async_rollout
     assert (a.prompts_per_step, a.group_size, a.sampling.max_new_tokens, a.sampling.temperature) == (
         32,
         8,
@@ -106,10 +107,13 @@ def test_dapo_math_composes_with_reference_run_facts(monkeypatch: pytest.MonkeyP
         0.8,
     )
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas) == (1e-6, 0.1, [0.9, 0.98])
-    assert cfg.sync.bucket_bytes == 1 << 30
-    assert cfg.data.path == "data/dapo_math_17k.parquet" and cfg.reward.grader == "dapo"  # no DSV4RL_DATA_DIR
-    assert (cfg.eval.samples_per_problem, cfg.eval.k, cfg.eval.sampling.top_p) == (8, [1, 8], 0.7)
-    assert cfg.eval.grader == "math_verify"
+    assert cfg.sync.bucket_bytes == 256 << 20
+    assert (
+        cfg.data.path == "data/dapo_math_17k.parquet" and cfg.reward.grader == "boxed"
+    )  # no DSV4RL_DATA_DIR
+    assert (cfg.reward.correct, cfg.reward.incorrect, cfg.data.reasoning_effort) == (1.0, 0.0, "low")
+    assert (cfg.eval.samples_per_problem, cfg.eval.k, cfg.eval.sampling.top_p) == (8, [1, 2, 4, 8], 0.7)
+    assert cfg.eval.grader == "boxed" and cfg.eval.prompt_template is None
     assert (cfg.cluster.nnodes, cfg.cluster.gpus_per_node, cfg.cluster.node_rank) == (4, 8, 0)
     assert cfg.cluster.node_addrs == [] and cfg.engine.host == "0.0.0.0"  # addresses come from the launcher
 

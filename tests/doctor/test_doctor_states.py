@@ -71,11 +71,11 @@ def test_mi355x_reference_node_passes_every_check_of_the_reference_recipe() -> N
     report = doctor("mi355x_reference", dapo_on_mi355x())
     assert {c.name: c.status for c in report.checks if c.status is not Status.PASS} == {}
     checks = report.by_name()
-    assert "comm=rccl_mi355x sets 15 variables, 15 exported here" in checks["env.comm_preset"].detail
+    assert "comm=rccl_mi355x sets 24 variables, 24 exported here" in checks["env.comm_preset"].detail
     assert "sglang 0.5.23" in checks["software.sglang"].detail
     assert "lustre" in checks["storage.shared_fs"].detail
-    ports = checks["network.ports"].detail  # node 2 (the first rollout node) runs engines 0 and 1, no master
-    assert "30000 (engine 0" in ports and "30001 (engine 1" in ports and "29500" not in ports
+    ports = checks["network.ports"].detail  # node 2 (the first rollout node) runs engine 0, no master
+    assert "30000 (engine 0" in ports and "30001" not in ports and "29500" not in ports
 
 
 def test_mi355x_recipe_without_a_shared_run_dir_fails() -> None:

@@ -15,11 +15,17 @@ def eval_config(name: str, *overrides: str):
 
 
 @needs_data
-def test_aime24_has_30_problems_asked_with_dapo_template() -> None:
+def test_aime24_has_30_problems_asked_as_the_bare_problem() -> None:
+    """The reference run's eval asked AIME's problem as the user turn, no instruction (docs/reference_run.md);
+    eval.prompt_template=dapo asks it with DAPO-Math's."""
     problems = eval_problems(eval_config("aime24", f"eval.dataset={DATA / 'aime24.jsonl'}"))
     assert len(problems) == 30 and problems[0].id == "2024-I-1" and problems[-1].id == "2024-II-15"
-    assert problems[0].prompt.startswith(DAPO_TEMPLATE.split("{problem}")[0])
-    assert problems[0].prompt.endswith(DAPO_TEMPLATE.split("{problem}")[1])
+    assert problems[0].prompt.startswith("Every morning Aya goes for a $9$-kilometer-long walk")
+    dapo = eval_problems(
+        eval_config("aime24", f"eval.dataset={DATA / 'aime24.jsonl'}", "eval.prompt_template=dapo")
+    )
+    assert dapo[0].prompt.startswith(DAPO_TEMPLATE.split("{problem}")[0])
+    assert dapo[0].prompt.endswith(DAPO_TEMPLATE.split("{problem}")[1])
 
 
 @needs_data

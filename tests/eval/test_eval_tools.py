@@ -123,11 +123,12 @@ def test_a_single_turn_report_is_unchanged(tmp_path: Path) -> None:
 
 def test_dapo_math_tir_evaluates_with_the_python_tool_in_dsml() -> None:
     """`dsv4rl eval aime24 recipe=dapo_math_tir`'s runner: DeepSeek-V4's DSML turns with the python tool,
-    the eval's sampling (aime24's T 1.0, top-p 0.7) and chat settings, no routing replay asked for."""
+    the eval's sampling (aime24's T 0.8, top-p 0.7) and chat settings, no routing replay asked for even
+    where training asks for it."""
     from dsv4rl.eval.tools import eval_multi_turn
     from dsv4rl.rollout.turn_format import DsmlFormat
 
-    cfg = compose("dapo_math_tir", ["eval=aime24"])
+    cfg = compose("dapo_math_tir", ["eval=aime24", "algo.routing_replay=true"])
     multi = eval_multi_turn(cfg, run_tokenizer(cfg.model))
     assert multi is not None and isinstance(multi.runner.format, DsmlFormat)
     assert [t.name for t in multi.tools] == ["python"] and multi.renderer.settings.thinking

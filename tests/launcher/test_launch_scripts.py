@@ -110,18 +110,13 @@ def test_sbatch_command_composes_and_validates_on_every_node(tmp_path: Path, mon
         assert cfg.comm.env["NCCL_SOCKET_IFNAME"] == "eth0" and cfg.comm.env["NCCL_MIN_NCHANNELS"] == "16"
         plans[node] = (build_local_plan(cfg, run_dir, base_env={}), remote_engine_health(cfg))
         urls = engine_urls(cfg)
-    assert urls == [
-        "http://gpu-a03:30000",
-        "http://gpu-a03:30001",
-        "http://gpu-a04:30000",
-        "http://gpu-a04:30001",
-    ]
+    assert urls == ["http://gpu-a03:30000", "http://gpu-a04:30000"]  # one TP8 engine per rollout node
     for node in (0, 1):
         (trainer,), waits = plans[node]
-        assert trainer.role == "trainer" and len(waits) == 4
+        assert trainer.role == "trainer" and len(waits) == 2
     for node in (2, 3):
         engines, waits = plans[node]
-        assert [s.role for s in engines] == ["engine", "engine"] and waits == []
+        assert [s.role for s in engines] == ["engine"] and waits == []
         assert all(s.argv[s.argv.index("--host") + 1] == "0.0.0.0" for s in engines)
 
 

@@ -368,8 +368,8 @@ def test_a_busy_attention_dp_port_is_named(monkeypatch):
 
 
 def test_plan_shows_the_training_layout_of_the_reference_run() -> None:
-    """dapo_math: Megatron TP1/PP4/EP4 over 16 ranks, 43 layers as 11+11+11+10, full recompute, 75 % of
-    the optimizer offloaded (the reference run's layout)."""
+    """dapo_math: Megatron TP1/PP4/EP4 over 16 ranks, 43 layers as 11+11+11+10, full recompute, the whole
+    optimizer offloaded (the reference run's layout)."""
     from dsv4rl.config.compose import compose
     from dsv4rl.launcher.plan_view import cluster_plan
 
@@ -386,7 +386,7 @@ def test_plan_shows_the_training_layout_of_the_reference_run() -> None:
         "data_parallel": 4,
         "recompute": "full",
         "optimizer_cpu_offload": True,
-        "optimizer_offload_fraction": 0.75,
+        "optimizer_offload_fraction": 1.0,
         "weight_sync_transport": "broadcast",
     }
 
@@ -435,7 +435,7 @@ def test_slurm_header_and_algorithm_come_from_the_recipe():
         "dapo_math", ["cluster.partition=gpu", "cluster.account=proj1", "cluster.time_limit=48:00:00"]
     )
     plan = cluster_plan(cfg, [0])
-    assert plan["algorithm"] == "dapo"
+    assert plan["algorithm"] == "grpo"
     assert plan["slurm"] == [
         "#SBATCH --nodes=4",
         "#SBATCH --ntasks-per-node=1",
@@ -479,11 +479,11 @@ def test_every_sglang_engine_of_the_reference_run_gets_dtype_and_moe_backend() -
 
     cfg = compose("dapo_math", ["cluster.node_addrs=[a,b,c,d]"])
     argvs = _engine_argvs(cfg)
-    assert len(argvs) == 4
+    assert len(argvs) == 2
     assert {(_flag(a, "--dtype"), _flag(a, "--moe-runner-backend")) for a in argvs} == {("bfloat16", "auto")}
     plan = cluster_plan(cfg, nodes=range(4))
     engines = [p for node in plan["nodes"] for p in node["processes"] if p["role"] == "engine"]
-    assert len(engines) == 4
+    assert len(engines) == 2
     for engine in engines:
         moe = engine["moe"]
         assert engine["dtype"] == "bfloat16" and moe["moe_runner_backend"] == "auto"
@@ -492,7 +492,7 @@ def test_every_sglang_engine_of_the_reference_run_gets_dtype_and_moe_backend() -
         assert held == ("fp8", "float32", "float32")
         assert moe["idempotent"] is False and moe["updatable"] is True and moe["restart_on_failed_push"]
         assert "sglang/srt/layers/quantization/fp8.py:" in moe["source"]
-    assert [e["moe_runner_backend"] for e in plan["engines"]] == ["auto"] * 4
+    assert [e["moe_runner_backend"] for e in plan["engines"]] == ["auto"] * 2
     assert "restarted" not in plan["engine"]["restart_on_failed_push"]  # the reason; the view adds the rule
     assert "not idempotent" in plan["engine"]["restart_on_failed_push"]
 

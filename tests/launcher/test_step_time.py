@@ -50,13 +50,13 @@ def test_the_pieces_by_hand() -> None:
 
 
 def test_dapo_math_by_hand(dapo: Config) -> None:
-    """32 x 8 samples, 0.75 x 4096 = 3072 tokens each, 4 engines at 2000 tok/s; 200-token prompts;
+    """32 x 8 samples, 0.75 x 4096 = 3072 tokens each, 2 engines at 4000 tok/s; 200-token prompts;
     8 FLOP (full recompute, one update: no old-policy forward) x 13 B active on 16 MI355X (2516.6
     TFLOP/s) at MFU 0.2; 285.1 GB over 50 GB/s."""
     est = step_time(dapo)
     assert est is not None
     assert est.generated_tokens == 786_432 and est.trained_tokens == 786_432 + 256 * 200
-    assert est.rollout_s == pytest.approx(786_432 / (4 * 2000))  # 98.3 s
+    assert est.rollout_s == pytest.approx(786_432 / (2 * 4000))  # 98.3 s
     assert est.train_flops == pytest.approx(8 * 13e9 * 837_632)  # 8.71e16
     assert est.train_s == pytest.approx(8.7113728e16 / (16 * 2516.6e12 * 0.2))  # 10.8 s
     assert est.sync_bytes == pytest.approx(FP8_ROLLOUT_BYTES)
@@ -69,7 +69,7 @@ def test_dapo_math_by_hand(dapo: Config) -> None:
 def test_every_assumption_is_read(dapo: Config) -> None:
     base = step_time(dapo)
     assert base is not None
-    dapo.estimate.engine_tokens_per_s = 4000.0
+    dapo.estimate.engine_tokens_per_s = 8000.0
     dapo.estimate.mfu = 0.4
     dapo.estimate.response_len_fraction = 0.5
     dapo.estimate.mean_prompt_tokens = 0.0
@@ -77,10 +77,10 @@ def test_every_assumption_is_read(dapo: Config) -> None:
     dapo.cluster.network_gb_per_s = 25.0
     est = step_time(dapo)
     assert est is not None
-    assert est.rollout_s == pytest.approx(32 * 8 * 2048 / (4 * 4000))  # 32.8 s
+    assert est.rollout_s == pytest.approx(32 * 8 * 2048 / (2 * 8000))  # 32.8 s
     assert est.train_s == pytest.approx(8 * 13e9 * 32 * 8 * 2048 / (16 * 2516.6e12 * 0.4))
     assert est.sync_s == pytest.approx(MXFP4_BYTES / 25e9)
-    assert est.assumptions["mfu"] == 0.4 and est.assumptions["engine_tokens_per_s"] == 4000.0
+    assert est.assumptions["mfu"] == 0.4 and est.assumptions["engine_tokens_per_s"] == 8000.0
     dapo.algo.updates_per_step, dapo.algo.kl_coef = 2, 0.01  # old-policy and reference forwards
     assert step_time(dapo).flops_per_token_param == 12  # type: ignore[union-attr]
 
@@ -113,7 +113,7 @@ def test_plan_prints_the_estimate_with_its_assumptions() -> None:
     assert "step time (estimate): rollout 98.3 s + train 10.8 s + sync 5.7 s = 114.8 s" in out
     assert "async, one step off-policy: 104.0 s" in out
     for key in (
-        "estimate.engine_tokens_per_s 2000",
+        "estimate.engine_tokens_per_s 4000",
         "estimate.mfu 0.2",
         "estimate.response_len_fraction 0.75",
     ):
