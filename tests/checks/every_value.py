@@ -33,9 +33,11 @@ def enum_fields(cls: type = schema.Config, prefix: str = "") -> list[tuple[str, 
 
 
 def list_entry_cases() -> list[str]:
-    """The enum keys of list entries (`reward.fns[].on_error`): one entry of the list per value."""
+    """The enum keys of list entries (`reward.fns[].on_error`) and the enum values a list of strings takes
+    (`train.freeze`'s groups): one entry of the list per value."""
     entry = "{{name: f, target: 'builtin:arith', on_error: {value}}}"
-    return [f"reward.fns=[{entry.format(value=value.value)}]" for value in schema.RewardOnError]
+    cases = [f"reward.fns=[{entry.format(value=value.value)}]" for value in schema.RewardOnError]
+    return cases + [f"train.freeze=[{group.value}]" for group in schema.FreezeGroup]
 
 
 def all_cases() -> list[str]:

@@ -23,6 +23,7 @@ from dsv4rl.config.schema import (
     WandbConfig,
 )
 from dsv4rl.data.chat_format import data_chat_settings, eval_chat_settings, settings_problems
+from dsv4rl.model.freeze import entry_problems as freeze_entry_problems
 from dsv4rl.model.release_config import (
     ReleaseConfigError,
     release_keys,
@@ -356,6 +357,8 @@ def check_run(cfg: Config, add: Add) -> None:
         add(f"train.log_every must be >= 1 (got {t.log_every})")
     if t.max_nonfinite_steps < 0:
         add(f"train.max_nonfinite_steps must be >= 0 (got {t.max_nonfinite_steps}; 0: stop at the first)")
+    for problem in freeze_entry_problems(t.freeze):  # entries matching no tensor: when the trainer builds
+        add(problem)
     if s.bucket_bytes <= 0:
         add(f"sync.bucket_bytes must be > 0 (got {s.bucket_bytes})")
     if s.pause_mode not in PAUSE_MODES:

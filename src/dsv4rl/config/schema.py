@@ -53,6 +53,15 @@ class TrainBackend(Choice):
     megatron = "megatron"
 
 
+class FreezeGroup(Choice):
+    """The named groups of `train.freeze`: tensors the trainer keeps fixed (dsv4rl.model.freeze). The
+    reference run (Miles' DeepSeek-V4 launcher) freezes both: `--moe-router-freeze-gate`,
+    `--freeze-e-score-correction-bias`."""
+
+    router_gate = "router_gate"  # every MoE router's gate weight, the hash-routed layers' included
+    router_bias = "router_bias"  # the score routers' expert score-correction bias (a buffer in both backends)
+
+
 class RolloutEngineKind(Choice):
     reference = "reference"  # dsv4rl's CPU reference engine (same HTTP protocol as SGLang)
     sglang = "sglang"
@@ -774,6 +783,9 @@ class TrainConfig:
     # the first); a skipped step leaves weights, optimizer state and lr schedule as they were.
     max_nonfinite_steps: int = 3
     numerics: TrainNumericsConfig = field(default_factory=TrainNumericsConfig)
+    # Tensors kept fixed: FreezeGroup names and `glob:` / `re:` patterns on transformers' tensor names
+    # (dsv4rl.model.freeze). No gradient, no optimizer state; still synced to the engines and checkpointed.
+    freeze: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -66,3 +66,31 @@ def test_distributed_optimizer_state_is_described_for_loading_on_load(
     assert inner.sharded_state_dict.call_args.kwargs == {"is_loading": True}
     inner.load_state_dict.assert_called_once_with({"param_state": {}})
     assert counters == {"step": 3, "updates": 6} and extra == {}
+
+
+def test_a_checkpoint_whose_frozen_tensors_this_run_trains_is_refused(world_of_one, tmp_path, monkeypatch):
+    """train.freeze is recorded; resuming with a tensor it froze now trained would need Adam state the
+    checkpoint never had (megatron loads an optimizer's state only whole): refused, naming both settings."""
+    optimizer, _ = _megatron_adam(DistributedOptimizer)
+    monkeypatch.setattr(checkpoint.dist_checkpointing, "save", lambda state, path: None)
+    monkeypatch.setattr(checkpoint.dist_checkpointing, "load", lambda state, path: state)
+    gates = ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]
+    frozen = checkpoint.Frozen(["router_gate"], gates)
+    final = checkpoint.save_checkpoint(
+        _Model(), optimizer, {"step": 2, "updates": 2}, str(tmp_path / "c"), {}, 0, frozen
+    )
+    state = torch.load(final / checkpoint.TRAINER_STATE, weights_only=True)
+    assert (state["freeze"], state["frozen"]) == (["router_gate"], gates)
+
+    with pytest.raises(ValueError) as error:
+        checkpoint.load_checkpoint(_Model(), optimizer, str(final), checkpoint.Frozen([], []))
+    assert "written with train.freeze=['router_gate'], and train.freeze=[] trains 2 of the tensors" in str(
+        error.value
+    )
+    frozen_more = checkpoint.Frozen(
+        ["router_gate", "router_bias"], [*gates, "model.layers.1.mlp.gate.e_score_correction_bias"]
+    )
+    assert checkpoint.load_checkpoint(_Model(), optimizer, str(final), frozen_more)[0] == {
+        "step": 2,
+        "updates": 2,
+    }

@@ -35,6 +35,7 @@ from dsv4rl.train import checkpoint as ckpt
 from dsv4rl.train import replay, update
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.checkpoint_dirs import FINITE
+from dsv4rl.train.freeze import FrozenTensors, freeze
 from dsv4rl.train.nonfinite import require_finite_weights
 from dsv4rl.train.update import MicroBatch, MicroLoss
 from dsv4rl.train.weight_decay import param_groups
@@ -77,7 +78,9 @@ class FSDPBackend:
         # its own sums, and FSDP averages gradients over all of them
         self.gradient_average = self.world
         self.counts_loss_sums = self.counts_batch_sums = True
+        self.frozen = FrozenTensors()  # train.freeze: set by _load before the model is sharded
         self.model = self._load(model_path, trainable=True)
+        self.frozen.snapshot(self.local_weights())
         self.hf_config = self.model.config
         self.ref_model = self._load(model_path, trainable=False) if cfg.algo.kl_coef > 0 else None
         self.has_reference = self.ref_model is not None
@@ -107,6 +110,11 @@ class FSDPBackend:
         # eval(): no dropout, so the trainer's logprobs match the rollout engine's and each other
         model.eval()
         model.requires_grad_(trainable)
+        if trainable:  # train.freeze, before FSDP2 and the optimizer see which parameters train
+            tensors = model.state_dict(keep_vars=True).items()  # transformers' names, before sharding
+            self.frozen = freeze(
+                tensors, self.cfg.train.freeze, lambda name: (name,), lambda _: self.rank == 0
+            )
         if self.sharded:
             for layer in model.model.layers:
                 fully_shard(layer, mesh=self.mesh)
@@ -241,8 +249,10 @@ class FSDPBackend:
                 yield name, full.detach()
 
     def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> Path:
-        """Refused (`NonFiniteError`) when a weight is non-finite; marked finite (`checkpoint_dirs`)."""
+        """Refused (`NonFiniteError`) when a weight is non-finite, or when a frozen one changed
+        (`FrozenTensorChanged`); marked finite (`checkpoint_dirs`)."""
         require_finite_weights(self, self.step, "checkpoint", f"{directory} was not written")
+        self.frozen.check(self.local_weights(), f"step {self.step}'s checkpoint")
         return ckpt.save_checkpoint(
             directory,
             self.model,
@@ -255,4 +265,5 @@ class FSDPBackend:
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         state, extra = ckpt.load_checkpoint(directory, self.model, self.optimizer)
         self.step, self.updates = int(state["step"]), int(state["updates"])
+        self.frozen.snapshot(self.local_weights())  # frozen as the run resumes
         return extra

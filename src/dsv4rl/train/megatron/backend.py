@@ -39,10 +39,16 @@ from dsv4rl.model.replay import ReplayCounts
 from dsv4rl.train import replay, update
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.checkpoint_dirs import FINITE
+from dsv4rl.train.freeze import FrozenTensors, freeze
 from dsv4rl.train.megatron import checkpoint, convert
 from dsv4rl.train.megatron.architecture import DeepseekV4Architecture, ParallelSizes, transformer_config
 from dsv4rl.train.megatron.model import DeepseekV4Model
-from dsv4rl.train.megatron.optimizer import build_optimizer, finalize_gradients, optimizer_config
+from dsv4rl.train.megatron.optimizer import (
+    build_optimizer,
+    counted_once,
+    finalize_gradients,
+    optimizer_config,
+)
 from dsv4rl.train.megatron.parallel import build_stage, initialize, run_pipeline
 from dsv4rl.train.megatron.replay import MicroChoices
 from dsv4rl.train.megatron.tensor_source import NativeCheckpointSource, StateDictSource, TensorSource
@@ -118,6 +124,8 @@ class MegatronBackend:
         self.hf_config, source = weight_source(model_path)
         self.configs = megatron_configs(cfg, self.hf_config, self.on_gpu)  # refused here, before loading
         self.model = self._build(source, self.configs.transformer, trainable=True)
+        # train.freeze, before DDP's gradient buffers and the optimizer's groups are built
+        self.frozen = self._freeze(self.model)
         if cfg.algo.kl_coef > 0:  # a config of its own: the policy's carries finalize_model_grads_func
             self.ref_model = self._build(source, stage_config(cfg, self.hf_config, self.on_gpu), False)
         else:
@@ -125,6 +133,7 @@ class MegatronBackend:
         self.ddp = DistributedDataParallel(self.model.config, self.configs.ddp, self.model)
         self.model.config.finalize_model_grads_func = finalize_gradients
         self.optimizer = build_optimizer(self.ddp, cfg, self.configs.optimizer)
+        self.frozen.snapshot(self.local_weights())
         self.has_reference = self.ref_model is not None
         self.updates = 0  # optimizer steps taken (the learning-rate schedule's position)
         self.nonfinite_in_a_row = 0  # optimizer steps skipped since the last one taken
@@ -156,6 +165,21 @@ class MegatronBackend:
         model.eval()  # no dropout: the trainer's log-probs match the engines' and each other
         model.requires_grad_(trainable)
         return model
+
+    def _freeze(self, model: DeepseekV4Model) -> FrozenTensors:
+        """`train.freeze` by transformers' names: each tensor of this rank by the name(s) it loads from."""
+        ranks, experts = self.ranks(model), self.hf_config.n_routed_experts
+        tensors = [
+            (name, tensor)
+            for name, tensor in model.state_dict(keep_vars=True).items()
+            if isinstance(tensor, Tensor) and not name.endswith("._extra_state")
+        ]
+        return freeze(
+            tensors,
+            self.cfg.train.freeze,
+            lambda name: convert.placement(name, ranks, experts).hf_names,
+            counted_once,
+        )
 
     @staticmethod
     def ranks(model: DeepseekV4Model) -> convert.Ranks:
@@ -351,13 +375,20 @@ class MegatronBackend:
                     yield name, tensor
 
     def save_checkpoint(self, directory: str, extra_state: dict[str, Any]) -> Path:
-        """Refused (`NonFiniteError`) when a weight is non-finite; marked finite (`checkpoint_dirs`)."""
+        """Refused (`NonFiniteError`) when a weight is non-finite, or when a frozen one changed
+        (`FrozenTensorChanged`); marked finite (`checkpoint_dirs`)."""
         require_finite_weights(self, self.step, "checkpoint", f"{directory} was not written")
+        self.frozen.check(self.local_weights(), f"step {self.step}'s checkpoint")
         counters = {"step": self.step, "updates": self.updates, FINITE: True}
         keep = self.cfg.train.keep_checkpoints
-        return checkpoint.save_checkpoint(self.model, self.optimizer, counters, directory, extra_state, keep)
+        frozen = checkpoint.Frozen(list(self.cfg.train.freeze), sorted(self.frozen.everywhere))
+        return checkpoint.save_checkpoint(
+            self.model, self.optimizer, counters, directory, extra_state, keep, frozen
+        )
 
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
-        counters, extra = checkpoint.load_checkpoint(self.model, self.optimizer, directory)
+        frozen = checkpoint.Frozen(list(self.cfg.train.freeze), sorted(self.frozen.everywhere))
+        counters, extra = checkpoint.load_checkpoint(self.model, self.optimizer, directory, frozen)
         self.step, self.updates = counters["step"], counters["updates"]
+        self.frozen.snapshot(self.local_weights())  # frozen as the run resumes
         return extra

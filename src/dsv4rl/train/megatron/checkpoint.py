@@ -13,6 +13,7 @@ extra file; rank 0 the whole directory) and renamed when complete (`dsv4rl.train
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ from dsv4rl.train.checkpoint import (
 from dsv4rl.train.megatron.model import DeepseekV4Model
 from dsv4rl.train.megatron.optimizer import ModelParallelAdamW, StepOptimizer
 
+FREEZE, FROZEN = "freeze", "frozen"  # trainer_state.pt: the run's train.freeze, the tensors it froze
+
 
 def _optimizer_sharded_state(optimizer: StepOptimizer, model_state: dict, is_loading: bool) -> dict:
     """The optimizer's part of the checkpoint. megatron's distributed optimizer gives its state tensors
@@ -54,6 +57,14 @@ def _sharded_state(model: DeepseekV4Model, optimizer: StepOptimizer, is_loading:
     return {"model": model_state, "optimizer": _optimizer_sharded_state(optimizer, model_state, is_loading)}
 
 
+@dataclass(frozen=True)
+class Frozen:
+    """`train.freeze` of a run and the tensors it froze (transformers' names), kept in `trainer_state.pt`."""
+
+    entries: list[str] = field(default_factory=list)
+    tensors: list[str] = field(default_factory=list)
+
+
 def save_checkpoint(
     model: DeepseekV4Model,
     optimizer: StepOptimizer,
@@ -61,6 +72,7 @@ def save_checkpoint(
     directory: str,
     extra_state: dict[str, Any],
     keep: int = 0,
+    frozen: Frozen | None = None,
 ) -> Path:
     """Collective. `counters`: the train steps and optimizer steps taken (`step`, `updates`). Returns the
     final directory; `keep` > 0 prunes older siblings."""
@@ -68,17 +80,39 @@ def save_checkpoint(
     tmp = prepare_staging(final)
     dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp))
     save_rank_state(tmp, extra_state)
-    return publish(tmp, final, {**counters, "world_size": dist.get_world_size()}, keep)
+    frozen = frozen or Frozen()
+    trainer_state = {
+        **counters,
+        "world_size": dist.get_world_size(),
+        FREEZE: frozen.entries,
+        FROZEN: frozen.tensors,
+    }
+    return publish(tmp, final, trainer_state, keep)
+
+
+def refuse_unfrozen(path: Path, trainer_state: dict[str, Any], frozen: Frozen) -> None:
+    """A checkpoint whose run froze tensors that this run trains cannot resume here: the optimizer holds no
+    state for them, and megatron's checkpoints load an optimizer's state only whole."""
+    unfrozen = sorted(set(trainer_state.get(FROZEN, [])) - set(frozen.tensors))
+    if unfrozen:
+        raise ValueError(
+            f"checkpoint {path} was written with train.freeze={trainer_state.get(FREEZE)}, and "
+            f"train.freeze={frozen.entries} trains {len(unfrozen)} of the tensors it kept fixed "
+            f"({', '.join(unfrozen[:3])}{', ...' if len(unfrozen) > 3 else ''}): the megatron backend "
+            "resumes an optimizer only with the state of every parameter it trains. Resume with those "
+            "tensors frozen, or start a new run from the checkpoint's weights (`dsv4rl export`)"
+        )
 
 
 def load_checkpoint(
-    model: DeepseekV4Model, optimizer: StepOptimizer, directory: str
+    model: DeepseekV4Model, optimizer: StepOptimizer, directory: str, frozen: Frozen | None = None
 ) -> tuple[dict[str, int], dict[str, Any]]:
     """Collective: model, optimizer and this rank's RNG states; returns (counters, extra_state)."""
     path = Path(directory)
     if not (path / TRAINER_STATE).exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {TRAINER_STATE})")
     trainer_state = torch.load(path / TRAINER_STATE, weights_only=False)
+    refuse_unfrozen(path, trainer_state, frozen or Frozen())
     counters = {"step": int(trainer_state["step"]), "updates": int(trainer_state["updates"])}
     loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path))
     model.load_state_dict(loaded["model"])

@@ -76,8 +76,10 @@ def _is_expert(parameter: torch.nn.Parameter) -> bool:
     return not getattr(parameter, "allreduce", True)  # megatron marks expert parameters allreduce=False
 
 
-def _counted_once(parameter: torch.nn.Parameter) -> bool:
-    """Whether this rank's copy of the parameter enters the global gradient norm."""
+def counted_once(parameter: torch.Tensor) -> bool:
+    """Whether this rank's copy of the parameter (or buffer) counts in a sum over the model (the global
+    gradient norm, `train.freeze`'s totals): one copy over data-parallel replicas and, unless split over
+    tensor-parallel ranks, over those too."""
     if _is_expert(parameter):
         return parallel_state.get_expert_data_parallel_rank() == 0
     if parallel_state.get_data_parallel_rank() != 0:
@@ -113,7 +115,7 @@ class ModelParallelAdamW:
         squares = torch.zeros(1, dtype=torch.float64)
         for parameter in self.parameters:
             parameter.grad = parameter.main_grad.to(parameter.dtype)
-            if _counted_once(parameter):
+            if counted_once(parameter):
                 squares += parameter.grad.double().pow(2).sum().cpu()
         dist.all_reduce(squares)
         self.norm = math.sqrt(float(squares))
