@@ -282,7 +282,7 @@ def test_the_planned_dtype_and_moe_backend_are_choices_of_the_release() -> None:
 def test_a_flag_whose_type_changes_fails_the_planner_check() -> None:
     contract = copy.deepcopy(CONTRACT)
     contract["server_flags"]["--mem-fraction-static"].update(type="int", value_type="int")
-    assert any("--mem-fraction-static 0.5" in p for p in problems_of_planner(contract))
+    assert any("--mem-fraction-static 0.7" in p for p in problems_of_planner(contract))
 
 
 def test_a_renamed_route_or_sampling_key_fails_the_reference_check(make_client) -> None:
