@@ -184,10 +184,6 @@ def probe(python: str) -> SandboxFacts:
             "give the tool `python:` an interpreter every user can read, e.g. /usr/bin/python3 "
             "with the packages the model may import, or make those directories readable)"
         )
-    unshare = shutil.which("unshare")
-    namespaces, ns_error = (False, "no `unshare` on PATH (util-linux)")
-    if unshare:
-        namespaces, ns_error = _trial(python, "namespaces", unshare, None, 0)
     seccomp, seccomp_error, program = False, "", None
     if not kernel_has_seccomp():
         seccomp_error = "the kernel has no seccomp filters"
@@ -197,6 +193,14 @@ def probe(python: str) -> SandboxFacts:
             seccomp = True
         except SeccompUnavailable as error:
             seccomp_error = str(error)
+    unshare = shutil.which("unshare")
+    namespaces, ns_error = (False, "no `unshare` on PATH (util-linux)")
+    if unshare:  # as it will run: with the seccomp filter where there is one
+        namespaces, ns_error = _trial(python, "namespaces", unshare, program, 0)
+        if not namespaces and seccomp and _trial(python, "namespaces", unshare, None, 0)[0]:
+            seccomp, program = False, None  # the filter is what failed: neither mode may count on it
+            seccomp_error = f"the kernel refused the seccomp filter in a trial run: {ns_error}"
+            namespaces, ns_error = True, ""
     abi = landlock_abi()
     landlock, landlock_error = False, "not tried (no Landlock or no seccomp)"
     if abi and seccomp:
