@@ -34,8 +34,8 @@ PLANS = [
       for device in ("mi355x", "h200")
       for quant in ("none", "bf16", "fp8_rollout")
       for extra in ([], ["parallel.rollout.data_parallel=4", "parallel.rollout.expert_parallel=1"])],
-    ("dapo_math", ["algo.routing_replay=false", "engine.fp32_lm_head=false"]),
-    ("dapo_math", ["cluster.device=h200", "parallel.rollout.data_parallel=4",
+    ("dapo_math", ["algo.routing_replay=true", "engine.fp32_lm_head=true"]),
+    ("dapo_math", ["cluster.device=h200", "parallel.rollout.data_parallel=8",
                    "parallel.rollout.expert_parallel=1", "algo.indexer_replay=true"]),
     ("dapo_math", ["engine.reproducible_sampling=true"]),
     *[("tiny_arith", [*TINY_ON_SGLANG, f"quant={quant}", *extra])
