@@ -542,7 +542,7 @@ def rollouts_command(
     """Show what the model wrote at a step (saved with run.save_rollouts=N): the best and the worst samples,
     their prompt and response, and each reward function's result."""
     from dsv4rl.report.metrics_table import ReportError
-    from dsv4rl.report.rollouts import load_step, render_rollouts, select
+    from dsv4rl.report.rollouts import load_step, render_rollouts, run_end, select
 
     if n < 0:
         raise _fail(f"--n must be >= 0 (got {n})")
@@ -550,11 +550,15 @@ def rollouts_command(
         chosen, records = load_step(run_dir, step)
     except ReportError as exc:
         raise _fail(str(exc)) from None
+    ended = run_end(run_dir)  # a crashed or stopped run's last saved step is all there will be
     if as_json:
-        typer.echo(json.dumps({"step": chosen, "samples": records}, ensure_ascii=False))
+        typer.echo(json.dumps({"step": chosen, "samples": records, "run_end": ended}, ensure_ascii=False))
         return
+    console = Console()
+    if ended:
+        console.print(Text(f"run {ended}", style="bold yellow"), soft_wrap=True)
     top, bottom = select(records, n, sort)
-    render_rollouts(chosen, top, bottom, sort, Console(), len(records))
+    render_rollouts(chosen, top, bottom, sort, console, len(records))
 
 
 def _split_optional_recipe(args: list[str]) -> tuple[str | None, list[str]]:

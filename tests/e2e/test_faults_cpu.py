@@ -19,6 +19,7 @@ import pytest
 from test_two_nodes_cpu import processes_of
 
 from dsv4rl.faults.inject import HANG_ENV, KILL_ENV
+from dsv4rl.faults.run_outcome import read_run_outcome
 from dsv4rl.metrics import read_metrics
 from dsv4rl.train.checkpoint_dirs import checkpoint_dir, complete_checkpoints
 
@@ -103,6 +104,9 @@ def test_an_engine_killed_mid_broadcast_stops_the_run_and_resume_continues_past_
     assert f"{KILL_ENV}: engine-0 is killed in weight_broadcast at step 3" in out  # the engine's log tail
     assert processes_of(run_dir) == []  # the trainer stopped by the supervisor, nothing orphaned
     assert [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
+    ended = read_run_outcome(run_dir)  # what `dsv4rl report` and `dsv4rl rollouts` say of it
+    assert ended is not None and ended.outcome == "failed" and ended.exit_code == killed.returncode
+    assert ended.sentence().startswith("crashed at step 2 (root cause: engine-0 was killed by SIGKILL"), ended
     checkpoints = run_dir / "checkpoints"
     assert complete_checkpoints(checkpoints) == [checkpoint_dir(checkpoints, s) for s in (2, 1)]
 
@@ -122,5 +126,6 @@ def test_an_engine_killed_mid_broadcast_stops_the_run_and_resume_continues_past_
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert "cannot be loaded (model/optimizer shards" in log and said in log
     assert [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert read_run_outcome(run_dir).sentence() == "finished at step 3"
     assert "3 / 3 (steps 2-3 in this run: resumed)" in out, out  # never the earlier run's steps
     assert "step 1/3" not in out  # the earlier run's line is not printed again

@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dsv4rl.cli import app
+from dsv4rl.faults.run_outcome import RunOutcome, write_run_outcome
 from dsv4rl.report import build_report
 from dsv4rl.report.build import planned_steps
 from dsv4rl.report.metrics_table import MetricsTable, parse_metrics_text
@@ -166,6 +167,25 @@ def test_run_status_from_planned_steps_and_idle_time() -> None:
     assert (stopped.state, stopped.detail) == ("stopped", "at step 12 of 30; metrics last written 2.8 h ago")
     assert run_status(table, None, idle_s=10_000).state == "finished or stopped"
     assert run_status(table, None, idle_s=20).state == "in progress"
+
+
+def test_a_crashed_run_says_so_with_its_root_cause_not_in_progress(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, recorded_rows()[:5])  # written just now: in progress by the file alone
+    cause = "trainer: ValueError: [bad] row (at src/dsv4rl/train/loop.py:12 in step)"
+    write_run_outcome(run_dir, RunOutcome("failed", 5, 1, cause))
+    result = runner.invoke(app, ["report", str(run_dir), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert f"5 steps (1..5), run crashed at step 5 (root cause: {cause})" in result.output  # markup kept
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert f"status: **crashed** at step 5 (root cause: {cause})" in text
+
+
+def test_a_stopped_run_gives_the_stop_reason_and_a_finished_record_changes_nothing(tmp_path: Path) -> None:
+    table = parse_metrics_text(RECORDED.read_text(), RECORDED)
+    stopped = run_status(table, 30, idle_s=20, outcome=RunOutcome("stopped", 12, 75, None, reason="SIGTERM"))
+    assert (stopped.state, stopped.sentence) == ("stopped", "stopped at step 12 (SIGTERM)")
+    finished = run_status(table, 12, idle_s=20, outcome=RunOutcome("finished", 12, 0, None))
+    assert finished == run_status(table, 12, idle_s=20)
 
 
 def test_planned_steps_reads_the_saved_config_or_says_why_not(tmp_path: Path) -> None:

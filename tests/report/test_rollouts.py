@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from dsv4rl.cli import app
 from dsv4rl.data.problems import Problem
+from dsv4rl.faults.run_outcome import RunOutcome, write_run_outcome
 from dsv4rl.report.rollouts import FIELDS, load_step, rollouts_section, saved_steps, select
 from dsv4rl.reward.results import Outcome
 from dsv4rl.rollout.types import Sample
@@ -85,6 +86,17 @@ def test_the_rollouts_command(tmp_path: Path) -> None:
     )
     empty = runner.invoke(app, ["rollouts", str(tmp_path / "none")])
     assert empty.exit_code == 2 and "is not a directory" in empty.output
+    assert "run crashed" not in shown.output and data["run_end"] is None
+
+
+def test_the_rollouts_of_a_crashed_run_say_how_it_ended(tmp_path: Path) -> None:
+    write_step(tmp_path, 10)
+    write_run_outcome(tmp_path, RunOutcome("failed", 12, 1, "engine-0 was killed by SIGKILL"))
+    said = "crashed at step 12 (root cause: engine-0 was killed by SIGKILL)"
+    shown = runner.invoke(app, ["rollouts", str(tmp_path)])
+    assert shown.exit_code == 0 and f"run {said}" in shown.output, shown.output
+    as_json = json.loads(runner.invoke(app, ["rollouts", str(tmp_path), "--json"]).output)
+    assert as_json["run_end"] == said
 
 
 def test_the_report_links_the_saved_steps(tmp_path: Path) -> None:

@@ -21,8 +21,9 @@ from dsv4rl.checks.data_files import data_file_problems
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config, ProcessRole, ResumeMode, Task
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT, clear_failed_push, decide_requeue
-from dsv4rl.faults.files import write_text_atomic
-from dsv4rl.faults.stop import clear_stop_files
+from dsv4rl.faults.files import read_json, write_text_atomic
+from dsv4rl.faults.run_outcome import RunOutcome, clear_run_outcome, write_run_outcome
+from dsv4rl.faults.stop import clear_stop_files, stopped_path
 from dsv4rl.launcher.marker import DoneMarker
 from dsv4rl.launcher.node_liveness import NodeLiveness
 from dsv4rl.launcher.plan import (
@@ -149,6 +150,7 @@ def _run_locked(
         if task == Task.train and cfg.cluster.node_rank == 0:
             clear_stop_files(run_dir)  # an earlier run's stop request must not stop this one
             clear_failed_push(run_dir)  # nor its failed push ask for a requeue
+            clear_run_outcome(run_dir)  # nor its outcome describe this attempt while it runs
     except OSError as error:
         raise unwritable(run_dir, error) from None
     if cfg.model.path is None:
@@ -192,8 +194,24 @@ def _run_locked(
     if task == Task.train and node == 0:
         if code == FAILED_PUSH_EXIT:
             code = _requeue_after_failed_push(cfg, run_dir, console)
+        _write_outcome(run_dir, supervisor, code)
         _record_outcome(cfg, run_dir, supervisor, console)
     return code
+
+
+def _write_outcome(run_dir: Path, supervisor: Supervisor, code: int) -> None:
+    """`<run_dir>/OUTCOME` for `dsv4rl report` and `dsv4rl rollouts`: how this attempt ended and why."""
+    from dsv4rl.trackers.outcome import last_step
+
+    status = supervisor.status or "failed"
+    stopped = read_json(stopped_path(run_dir)) or {}
+    reason = stopped.get("reason") if status == "stopped" else None
+    cause = None if status == "finished" else supervisor.failure
+    outcome = RunOutcome(status, last_step(run_dir), code, cause, reason if isinstance(reason, str) else None)
+    try:
+        write_run_outcome(run_dir, outcome)
+    except OSError as error:  # the run's own result stands; only the record is missing
+        print(f"warning: could not write {run_dir / 'OUTCOME'}: {error}", file=sys.stderr)
 
 
 def _requeue_after_failed_push(cfg: Config, run_dir: Path, console: Console) -> int:

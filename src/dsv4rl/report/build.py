@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from dsv4rl.faults.run_outcome import read_run_outcome
 from dsv4rl.report.evals import collect_evals
 from dsv4rl.report.metrics_table import MetricsTable, load_metrics_table
 from dsv4rl.report.plots import PlotResult, render_plots
@@ -63,7 +64,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     out = Path(out_dir) if out_dir is not None else run_dir / DEFAULT_OUT
     steps, config_note = planned_steps(run_dir)
     idle_s = time.time() - table.path.stat().st_mtime
-    status = run_status(table, steps, idle_s)
+    status = run_status(table, steps, idle_s, read_run_outcome(run_dir))
     plots = render_plots(table, out)
     summary = out / SUMMARY_FILE
     summary.write_text(render_summary(table, run_dir, status, plots, out, config_note))
@@ -78,11 +79,11 @@ def print_report(report: Report, console: Console) -> None:
     for note in report.table.notes:
         console.print(Text(f"warning: metrics.jsonl {note}", style="yellow"), soft_wrap=True)
     steps = report.table.steps
-    console.print(
-        f"{len(steps)} steps ({steps[0]}..{steps[-1]}), run [bold]{report.status.state}[/] "
-        f"({report.status.detail})",
-        highlight=False,
-    )
+    status = report.status
+    rest = status.detail if status.sentence else f"({status.detail})"
+    line = Text(f"{len(steps)} steps ({steps[0]}..{steps[-1]}), run ")
+    line.append(status.state, style="bold")
+    console.print(line.append(f" {rest}"), highlight=False, soft_wrap=True)
     console.print(f"report written to [bold]{report.out_dir}/[/]", highlight=False, soft_wrap=True)
     files = Table()
     files.add_column("file")

@@ -23,6 +23,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from dsv4rl.config.schema import RolloutSort
+from dsv4rl.faults.run_outcome import read_run_outcome
 from dsv4rl.report.metrics_table import ReportError
 from dsv4rl.report.turns_view import add_turn_rows, turns_summary
 
@@ -77,6 +78,13 @@ def load_step(run_dir: str | Path, step: int | None = None) -> tuple[int, list[d
         except json.JSONDecodeError as error:
             raise ReportError(f"{path}, line {number}: not JSON ({error.msg})") from None
     return step, records
+
+
+def run_end(run_dir: str | Path) -> str | None:
+    """How the run ended when it did not finish ("crashed at step 12 (root cause: ...)"), from its
+    OUTCOME record: the steps saved so far are then all there will be."""
+    outcome = read_run_outcome(run_dir)
+    return None if outcome is None or outcome.outcome == "finished" else outcome.sentence()
 
 
 def select(records: list[dict[str, Any]], n: int, sort: RolloutSort) -> tuple[list[dict], list[dict]]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
+from dsv4rl.faults.run_outcome import WORDS, RunOutcome
 from dsv4rl.report.evals import collect_evals, evals_section
 from dsv4rl.report.metrics_table import MetricsTable, mean
 from dsv4rl.report.plots import EVAL_PREFIX, PlotResult, fmt_bytes
@@ -21,17 +22,27 @@ IDLE_AFTER_S = 300.0  # a run whose metrics have not grown for longer than this 
 
 @dataclass(frozen=True)
 class RunStatus:
-    state: str  # "finished", "stopped", "in progress", or "finished or stopped" (planned steps unknown)
+    # "finished", "stopped", "in progress", "finished or stopped" (planned steps unknown), or from the run's
+    # OUTCOME record: "crashed", "hung", "interrupted", "stopped after a failed weight push"
+    state: str
     detail: str
+    sentence: str | None = None  # the OUTCOME record's own words: "crashed at step 12 (root cause: ...)"
 
 
-def run_status(table: MetricsTable, planned_steps: int | None, idle_s: float) -> RunStatus:
-    """Finished when the last step reaches `train.steps`; otherwise in progress while the file still grows
-    (a partial last line, or written within max(IDLE_AFTER_S, 10 step times)), else stopped.
+def run_status(
+    table: MetricsTable, planned_steps: int | None, idle_s: float, outcome: RunOutcome | None = None
+) -> RunStatus:
+    """From the launcher's OUTCOME record when the run has one (it knows a crash from a stop); otherwise
+    finished when the last step reaches `train.steps`, in progress while the file still grows (a partial
+    last line, or written within max(IDLE_AFTER_S, 10 step times)), else stopped.
 
     `idle_s` is the time since metrics.jsonl was last modified.
     """
     last = table.steps[-1]
+    if outcome is not None and outcome.outcome != "finished":
+        sentence = outcome.sentence()
+        state = WORDS.get(outcome.outcome, outcome.outcome)
+        return RunStatus(state, sentence.removeprefix(state).strip(), sentence)
     step_times = table.column("time_step_s")[1]
     patience = max(IDLE_AFTER_S, 10 * median(step_times)) if step_times else IDLE_AFTER_S
     of = f" of {planned_steps}" if planned_steps is not None else ""
@@ -152,7 +163,7 @@ def render_summary(
         f"# Training report: `{run_dir}`",
         "",
         f"- metrics: `{table.path}`, {len(steps)} steps found ({steps[0]}..{steps[-1]})",
-        f"- status: **{status.state}** ({status.detail})",
+        f"- status: **{status.state}** " + (status.detail if status.sentence else f"({status.detail})"),
     ]
     if config_note:
         lines.append(f"- config: {config_note}")
