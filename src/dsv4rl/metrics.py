@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 # Keys every step line carries (the supervisor's display and users' scripts rely on them).
@@ -28,6 +29,45 @@ STEP_KEYS = (
     "sync_bytes",
 )
 TIME_PHASES = ("rollout", "reward", "train", "sync")
+PACE_WINDOW = 10  # steps the pace is measured over: recent enough to follow a run that slows down
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How fast a run goes and when it will end, from its recent steps' `time_step_s`."""
+
+    steps_per_s: float
+    remaining_s: float | None  # None when the planned step count is unknown
+
+    def describe(self) -> str:
+        """`2.5 steps/s, ends in ~3 min`, or `4.1 s/step, ...` under a step a second (as tqdm: it/s, s/it)."""
+        per_s = self.steps_per_s
+        rate = f"{per_s:.3g} steps/s" if per_s >= 1 else f"{1 / per_s:.3g} s/step"
+        if self.remaining_s is None:
+            return rate
+        return f"{rate}, ends in ~{fmt_duration(self.remaining_s)}" if self.remaining_s > 0 else rate
+
+
+def pace(
+    step_seconds: Sequence[float], done: int, planned: int | None, window: int = PACE_WINDOW
+) -> Pace | None:
+    """The mean of the last `window` step times; None before the first timed step."""
+    recent = [s for s in step_seconds[-window:] if s > 0]
+    if not recent:
+        return None
+    per_step = sum(recent) / len(recent)
+    remaining = None if planned is None else max(planned - done, 0) * per_step
+    return Pace(1.0 / per_step, remaining)
+
+
+def fmt_duration(seconds: float) -> str:
+    """`42 s`, `12 min`, `1.5 h`: a person's estimate, not a timer."""
+    seconds = max(seconds, 0.0)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 class StepTimer:

@@ -83,6 +83,20 @@ def test_progress_totals_and_shares():
     assert shares == {"rollout": 4.0, "reward": 1.0, "train": 2.0, "sync": 1.0, "other": 2.0}
     assert progress.line(record(2)).startswith("step 2/10 | reward 0.5")
     assert "(rollout 40% reward 10% train 20% sync 10%)" in progress.line(record(2))
+    assert progress.line(record(2)).endswith("| 5 s/step, ends in ~40 s")  # 8 steps left at 5 s
+
+
+def test_the_line_shows_flat_groups_and_a_pace_that_follows_the_recent_steps():
+    progress = RunProgress(total_steps=100)
+    for step in range(1, 21):  # 10 steps of 5 s, then 10 of 0.5 s: the pace is the recent one
+        progress.add(
+            record(step, time_step_s=5.0 if step <= 10 else 0.5, **{"reward/zero_std_fraction": 1.0})
+        )
+    line = progress.line(progress.last)
+    assert "| flat groups 1 |" in line and line.endswith("| 2 steps/s, ends in ~40 s")
+    unplanned = RunProgress(total_steps=0)
+    unplanned.add(record(1))
+    assert unplanned.line(record(1)).endswith("| 5 s/step")  # no planned steps: no end
 
 
 def test_live_renderable_and_summary_render():

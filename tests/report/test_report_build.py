@@ -88,7 +88,9 @@ def test_summary_numbers_come_from_the_metrics_file(recorded_report) -> None:
     assert f"| mean of the last 10 | 3..12 | {sum(rewards[-10:]) / 10:.4g} |" in text
     step_mean = sum(row["time_step_s"] for row in rows) / 12
     train_mean = sum(row["time_train_s"] for row in rows) / 12
-    assert f"Mean step time: **{step_mean:.4g} s** over 12 steps." in text
+    recent = sum(row["time_step_s"] for row in rows[-10:]) / 10  # the pace: the last 10 steps
+    said = f"{1 / recent:.3g} steps/s" if recent <= 1 else f"{recent:.3g} s/step"
+    assert f"Mean step time: **{step_mean:.4g} s** over 12 steps ({said} over the last 10)." in text
     assert f"| train | {train_mean:.4g} | {100 * train_mean / step_mean:.1f}% |" in text
     gb_per_s = [row["sync_gb_per_s"] for row in rows]
     assert (

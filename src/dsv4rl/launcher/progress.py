@@ -23,12 +23,15 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from dsv4rl.metrics import pace
+
 PHASES = ("rollout", "reward", "wait_rollout", "train", "sync", "verify", "eval")
 # With algo.async_rollout a step's rollout and reward ran while the step before trained: not in its time.
 BACKGROUND = ("rollout", "reward")
 SHOWN = (
     ("reward_mean", "reward"),
     ("reward_std", "reward std"),
+    ("reward/zero_std_fraction", "flat groups"),  # groups whose rewards are all equal: no gradient
     ("response_len_mean", "response len"),
     ("logprob_abs_diff", "|logprob diff|"),
     ("kl", "kl"),
@@ -123,6 +126,7 @@ class RunProgress:
         self.first: dict[str, Any] = {}
         self.last: dict[str, Any] = {}
         self.time = dict.fromkeys((*PHASES, "step"), 0.0)
+        self.step_seconds: list[float] = []  # this run's time_step_s, for the pace
         self.overlapped = False  # async rollouts: rollout and reward ran in the background
         self.progress = Progress(
             TextColumn("[bold]train"),
@@ -155,6 +159,8 @@ class RunProgress:
             value = record.get(f"time_{phase}_s")
             if isinstance(value, int | float):
                 self.time[phase] += value
+                if phase == "step":
+                    self.step_seconds.append(float(value))
         self.progress.update(self._task, completed=self.step)
 
     def shares(self) -> dict[str, float]:
@@ -185,6 +191,9 @@ class RunProgress:
                 if isinstance(record.get(f"time_{p}_s"), int | float) and record[f"time_{p}_s"] > 0
             )
             parts.append(f"({split})")
+        going = pace(self.step_seconds, self.step, self.total_steps or None)
+        if going is not None:
+            parts.append(going.describe())
         return " | ".join(parts)
 
     def _metrics_table(self) -> Table:

@@ -11,6 +11,7 @@ from pathlib import Path
 from statistics import median
 
 from dsv4rl.faults.run_outcome import WORDS, RunOutcome
+from dsv4rl.metrics import PACE_WINDOW, fmt_duration, pace
 from dsv4rl.report.evals import collect_evals, evals_section
 from dsv4rl.report.metrics_table import MetricsTable, mean
 from dsv4rl.report.plots import EVAL_PREFIX, PlotResult, fmt_bytes
@@ -46,23 +47,17 @@ def run_status(
     step_times = table.column("time_step_s")[1]
     patience = max(IDLE_AFTER_S, 10 * median(step_times)) if step_times else IDLE_AFTER_S
     of = f" of {planned_steps}" if planned_steps is not None else ""
-    ago = f"metrics last written {_duration(idle_s)} ago"
+    ago = f"metrics last written {fmt_duration(idle_s)} ago"
     if planned_steps is not None and last >= planned_steps:
         return RunStatus("finished", f"step {last}{of} reached")
     if table.partial_last_line or idle_s <= patience:
-        return RunStatus("in progress", f"at step {last}{of}; {ago}")
+        going = pace(step_times, last, planned_steps)
+        return RunStatus(
+            "in progress", f"at step {last}{of}; {ago}" + (f"; {going.describe()}" if going else "")
+        )
     if planned_steps is None:
         return RunStatus("finished or stopped", f"last step {last}, no config.yaml to compare with; {ago}")
     return RunStatus("stopped", f"at step {last}{of}; {ago}")
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(seconds, 0.0)
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def fmt(value: float | None) -> str:
@@ -95,7 +90,9 @@ def _time_section(table: MetricsTable) -> list[str]:
     lines = []
     step_mean = mean(step_times)
     if step_mean is not None:
-        lines += [f"Mean step time: **{fmt(step_mean)} s** over {len(step_times)} steps.", ""]
+        recent = pace(step_times, 0, None)
+        rate = f" ({recent.describe()} over the last {min(PACE_WINDOW, len(step_times))})" if recent else ""
+        lines += [f"Mean step time: **{fmt(step_mean)} s** over {len(step_times)} steps{rate}.", ""]
     lines += ["| phase | mean s | share of step |", "|---|---:|---:|"]
     accounted = 0.0
     for phase in phases:
