@@ -209,15 +209,28 @@ def test_a_malformed_data_row_is_refused_before_anything_starts(tmp_path, monkey
 
 
 # ------------------------------------------------------------------------------------------- resume
-def test_resume_true_without_a_checkpoint_says_so_on_the_console(tmp_path) -> None:
-    cfg = _cfg(tmp_path / "run")
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_resume_true_without_a_checkpoint_is_refused_and_the_run_dir_is_left_as_it_was(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)  # an earlier attempt that saved no checkpoint
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (run_dir / "logs" / "crash-trainer.json").write_text('{"type": "EngineError"}')
+    (run_dir / "logs" / "trainer.log").write_text("step 2 ...\n")
+    before = _tree(run_dir)
+    cfg = _cfg(run_dir)
     cfg.resume = ResumeMode.true
-    console, out = capture()
-    assert run_training(cfg, console=console, plan_builder=_plan) == 0
-    assert (
-        "resume=true, but" in out.getvalue()
-        and "holds no checkpoint: a fresh run, from step 1" in out.getvalue()
-    )
+    with pytest.raises(RunDirInUse, match="holds no checkpoint to continue from") as refused:
+        run_training(cfg, console=capture()[0], plan_builder=_plan)
+    assert "resume=false and a new run.dir" in str(refused.value) and "resume=auto" in str(refused.value)
+    assert _tree(run_dir) == before  # byte for byte: nothing written, truncated or removed
+    fresh = _cfg(tmp_path / "new")
+    fresh.resume = ResumeMode.true
+    with pytest.raises(RunDirInUse, match="holds no checkpoint"):  # nor on a run dir that is not there
+        run_training(fresh, console=capture()[0], plan_builder=_plan)
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("mode", [ResumeMode.auto, ResumeMode.true])

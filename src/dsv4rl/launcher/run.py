@@ -61,6 +61,12 @@ def check_run_dir(cfg: Config, run_dir: Path) -> Path | None:
             f"{run_dir} already holds a run (checkpoint {previous.name}): pass resume=auto (or resume=true) "
             "to continue it, or choose a new run.dir"
         )
+    if previous is None and cfg.resume == ResumeMode.true:  # starting over would rewrite what is there
+        raise RunDirInUse(
+            f"resume=true, but {run_dir / 'checkpoints'} holds no checkpoint to continue from (set "
+            "train.checkpoint_every to save some): start a new run with resume=false and a new run.dir, or "
+            "pass resume=auto to continue when there is a checkpoint and start fresh when there is none"
+        )
     return previous if cfg.resume else None
 
 
@@ -84,14 +90,8 @@ def _say_resume(cfg: Config, run_dir: Path, checkpoint: Path | None, console: Co
             style="dim",
             soft_wrap=True,
         )
-    elif cfg.resume == ResumeMode.auto:
+    else:  # resume=auto (resume=true without a checkpoint was refused in check_run_dir)
         console.print(f"resume=auto: no checkpoint in {run_dir / 'checkpoints'}: a fresh run", style="dim")
-    else:
-        console.print(
-            f"resume=true, but {run_dir / 'checkpoints'} holds no checkpoint: a fresh run, from step 1",
-            style="bold yellow",
-            soft_wrap=True,
-        )
 
 
 def run_training(
