@@ -72,16 +72,18 @@ def _did_you_mean(name: str, choices: Sequence[str]) -> str:
 
 
 def _nearest_files(path_text: str, base_dirs: Sequence[Path]) -> list[str]:
-    """Python files near where `path_text` was looked for, written as the recipe would write them."""
+    """Python files near where `path_text` was looked for (in the nearest folder that exists and its
+    subfolders, one level down), written as the recipe would write them."""
     path = Path(path_text).expanduser()
     near: list[str] = []
     for base in [Path("/")] if path.is_absolute() else base_dirs:
         folder = base / path.parent
-        while not folder.is_dir() and folder != base and folder != folder.parent:  # the nearest that exists
+        while not folder.is_dir() and folder != base and folder != folder.parent:
             folder = folder.parent
-        if folder.is_dir():
-            near += [file.as_posix() if path.is_absolute() else os.path.relpath(file, base)
-                     for file in sorted(folder.glob("*.py"))]  # fmt: skip
+        if not folder.is_dir():
+            continue
+        for file in sorted([*folder.glob("*.py"), *folder.glob("[!.]*/*.py")]):
+            near.append(file.as_posix() if path.is_absolute() else os.path.relpath(file, base))
     return difflib.get_close_matches(path_text, near, n=3, cutoff=0.5)
 
 
@@ -194,26 +196,25 @@ def resolve(target: Target, *, role: str = "target", what: str = "function") -> 
     if found is None or (what == "function" and not callable(found)):
         defined = _defined(module, what)
         plural = {"function": "functions", "class": "classes"}.get(what, "classes and functions")
+        missing = (
+            f"has no {what} {target.attr!r}"
+            if found is None
+            else (f"has {target.attr!r}, but it is {type(found).__name__} {found!r:.40}, not a {what}")
+        )
         raise TargetError(
-            f"{role} {target.spec!r}: {target.ref} has no {what} {target.attr!r} (its {plural}: "
-            f"{', '.join(defined) or 'none'}{_did_you_mean(target.attr, defined)}); fix the name after the "
-            "colon"
+            f"{role} {target.spec!r}: {target.ref} {missing} (its {plural}: {', '.join(defined) or 'none'}"
+            f"{_did_you_mean(target.attr, defined)}); fix the name after the colon"
         )
     return found
 
 
 def load(
-    spec: str,
-    base_dirs: Sequence[Path] = (),
-    builtins: Mapping[str, str] | None = None,
-    *,
-    role: str = "target",
-    what: str = "function",
-    builtin_noun: str = "name",
+    spec: str, base_dirs: Sequence[Path] = (), builtins: Mapping[str, str] | None = None, **how: str
 ) -> Any:
-    """What `spec` names, loaded (`parse`, then `resolve`); TargetError naming the fix."""
-    target = parse(spec, base_dirs, builtins, role=role, what=what, builtin_noun=builtin_noun)
-    return resolve(target, role=role, what=what)
+    """What `spec` names, loaded: `parse` (`how`: its keywords, role, what and builtin_noun), then `resolve`;
+    TargetError naming the fix."""
+    target = parse(spec, base_dirs, builtins, **how)
+    return resolve(target, role=how.get("role", "target"), what=how.get("what", "function"))
 
 
 def is_async(function: Callable[..., Any]) -> bool:
