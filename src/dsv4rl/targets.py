@@ -73,18 +73,27 @@ def _did_you_mean(name: str, choices: Sequence[str]) -> str:
 
 def _nearest_files(path_text: str, base_dirs: Sequence[Path]) -> list[str]:
     """Python files near where `path_text` was looked for (in the nearest folder that exists and its
-    subfolders, one level down), written as the recipe would write them."""
+    subfolders, one level down; compared below that folder), written as the recipe would write them."""
     path = Path(path_text).expanduser()
-    near: list[str] = []
+    near: dict[str, str] = {}  # below the folder -> as the recipe would write it
+    wanted: set[str] = set()
     for base in [Path("/")] if path.is_absolute() else base_dirs:
         folder = base / path.parent
         while not folder.is_dir() and folder != base and folder != folder.parent:
             folder = folder.parent
-        if not folder.is_dir():
+        if not folder.is_dir() or folder == folder.parent:  # not the file system's root: too much there
             continue
+        wanted.add(os.path.relpath(base / path, folder))
         for file in sorted([*folder.glob("*.py"), *folder.glob("[!.]*/*.py")]):
-            near.append(file.as_posix() if path.is_absolute() else os.path.relpath(file, base))
-    return difflib.get_close_matches(path_text, near, n=3, cutoff=0.5)
+            shown = file.as_posix() if path.is_absolute() else os.path.relpath(file, base)
+            near.setdefault(os.path.relpath(file, folder), shown)
+    scored = sorted(
+        ((difflib.SequenceMatcher(None, key, file).ratio(), file) for key in wanted for file in near),
+        reverse=True,
+    )
+    best = scored[0][0] if scored else 1.0
+    close = [file for ratio, file in scored if ratio >= max(0.6, best - 0.05)]  # the nearest, and any as near
+    return list(dict.fromkeys(near[file] for file in close))[:3]
 
 
 def parse(
