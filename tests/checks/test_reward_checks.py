@@ -40,7 +40,7 @@ def test_a_misspelled_target_a_missing_file_and_a_wrong_signature_together() -> 
     assert (
         "reward.fns[0] (a): target 'dsv4rl_no_such_module:score': no module 'dsv4rl_no_such_module'" in text
     )
-    assert "add it to PYTHONPATH, or give the file: path/to/file.py:function" in text
+    assert "add it to PYTHONPATH, or give the file: path/to/file.py:score" in text
     assert "reward.fns[1] (b): target 'no/such/file.py:score': file 'no/such/file.py' not found" in text
     assert "relative to the recipe's directory or the working directory" in text
     assert (

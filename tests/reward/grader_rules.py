@@ -8,6 +8,17 @@ import time
 from dataclasses import dataclass, field
 
 
+def blocked_sleep(seconds: float) -> str:
+    """Ignores the worker's alarm (signal blocked), like a long C loop would: only a kill stops it."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+    time.sleep(seconds)
+    return "finished"
+
+
+def echo(x):
+    return x
+
+
 @dataclass
 class SlowRule:
     """A grader whose call on "slow" takes a minute: sleeping (the worker's alarm stops it) or with

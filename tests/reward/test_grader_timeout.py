@@ -24,15 +24,14 @@ from dsv4rl.eval.view import render_eval
 from dsv4rl.metrics import StepTimer
 from dsv4rl.reward.graders import (
     GraderError,
-    MathVerifyGrader,
     PooledGrader,
     get_grader,
     grade_responses,
 )
+from dsv4rl.reward.math_verify import MathVerifyGrader, verify_answer
 from dsv4rl.reward.results import FnSpec, RewardError
 from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.reward.scorers import BuiltinScorer
-from dsv4rl.reward.verify_pool import verify_answer
 from dsv4rl.rollout.types import Sample
 from dsv4rl.train import rewarding
 from dsv4rl.train.loop import RLLoop
@@ -76,7 +75,7 @@ def test_grader_timeout_a_slow_call_is_graded_incorrect_and_counted(caplog) -> N
     grader = PooledGrader(SlowRule(), timeout_s=0.5)
     try:
         start = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="dsv4rl.reward.verify_pool"):
+        with caplog.at_level(logging.WARNING, logger="dsv4rl.reward.fn_pool"):
             graded = grade_responses(grader, ["slow", "7", "slow"], ["7", "7", "7"], answers=True)
         assert time.monotonic() - start < 30
         assert graded.rewards == [-1.0, 1.0, -1.0]

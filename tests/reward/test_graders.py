@@ -1,30 +1,22 @@
+import asyncio
 import json
 import logging
 import pickle
-import signal
 import threading
 import time
 
 import pytest
+from grader_rules import blocked_sleep, echo
 
 from dataset_files import DATA
 from dsv4rl.config.schema import RewardConfig
-from dsv4rl.reward import GRADERS, MathVerifyGrader, get_grader, grade_batch, grader_from_config
+from dsv4rl.reward import GRADERS, get_grader, grade_batch, grader_from_config
+from dsv4rl.reward.fn_pool import AsyncProcessPool
+from dsv4rl.reward.math_verify import MathVerifyGrader
 from dsv4rl.reward.normalize import last_boxed, normalize_final_answer
-from dsv4rl.reward.verify_pool import TIMED_OUT, VerifyPool
+from dsv4rl.reward.results import TIMED_OUT
 
 SAMPLE = DATA / "dapo_math_17k_sample300.jsonl"
-
-
-def _blocked_sleep(seconds: float) -> str:
-    """Ignores the worker's alarm (signal blocked), like a long C loop would: only a kill stops it."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
-    time.sleep(seconds)
-    return "finished"
-
-
-def _echo(x):
-    return x
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +180,7 @@ def test_math_verify_slow_call_times_out_with_warning(caplog):
     try:
         grader.grade("warm", "1")  # start the worker before timing
         start = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="dsv4rl.reward.verify_pool"):
+        with caplog.at_level(logging.WARNING, logger="dsv4rl.reward.fn_pool"):
             rewards = grade_batch(grader, ["$\\boxed{9^{9^{9}}}$", "Answer: 4"], ["1", "4"])
         assert time.monotonic() - start < 10
         assert rewards == [-1.0, 1.0]
@@ -199,19 +191,32 @@ def test_math_verify_slow_call_times_out_with_warning(caplog):
 
 
 def test_pool_kills_a_worker_that_ignores_the_alarm(caplog):
-    pool = VerifyPool(num_workers=1, timeout_s=0.5, grace_s=0.5)
+    pool = AsyncProcessPool(1, label="grader blocked")
+    loop = asyncio.new_event_loop()
+
+    def run(fn, calls):
+        async def gather():
+            return await asyncio.gather(*(pool.call(fn, call, 0.5, grace_s=0.5) for call in calls))
+
+        return loop.run_until_complete(gather())
+
     try:
+        loop.run_until_complete(pool.start())
         start = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="dsv4rl.reward.verify_pool"):
-            out = pool.map(_blocked_sleep, [(0.0,), (60.0,), (0.0,)])
+        with caplog.at_level(logging.WARNING, logger="dsv4rl.reward.fn_pool"):
+            out = run(blocked_sleep, [(0.0,), (60.0,), (0.0,)])
         assert time.monotonic() - start < 20
         assert out == ["finished", TIMED_OUT, "finished"]
-        # Once for the chunk of three (its deadline passed), once more for the stuck call run alone.
-        assert pool.restarts == 2
-        assert any("unresponsive worker killed" in r.getMessage() for r in caplog.records)
-        assert pool.map(_echo, [(1,), (2,)]) == [1, 2]  # the fresh pool works
+        # Each call has its own deadline: only the stuck call's worker is killed, once; the call after it
+        # runs again on the fresh worker.
+        assert (pool.restarts, pool.timeouts) == (1, 1)
+        assert any(
+            "did not stop at its alarm: its worker was killed" in r.getMessage() for r in caplog.records
+        )
+        assert run(echo, [(1,), (2,)]) == [1, 2]  # the fresh worker works
     finally:
         pool.close()
+        loop.close()
 
 
 def test_math_verify_grader_pickles():

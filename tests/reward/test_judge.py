@@ -12,8 +12,7 @@ import pytest
 from dsv4rl.config.schema import RewardJudgeConfig, RewardOnError
 from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.judge import JudgeScorer, RateLimiter, render, reply_parser, template_problem
-from dsv4rl.reward.results import FnSpec
-from dsv4rl.reward.verify_pool import CallFailed
+from dsv4rl.reward.results import CallFailed, FnSpec
 
 HERE = Path(__file__).resolve().parent
 SAMPLE = RewardInput(prompt="3+4=", response="7", answer="7", ground_truth="7", metadata={"level": 2})

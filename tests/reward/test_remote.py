@@ -18,9 +18,8 @@ from dsv4rl.config.schema import RemoteRewardConfig, RewardOnError
 from dsv4rl.reward.http_retry import RewardHTTPError, backoff_seconds
 from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.remote import RemoteScorer
-from dsv4rl.reward.results import FnSpec, RewardError
+from dsv4rl.reward.results import CallFailed, FnSpec, RewardError
 from dsv4rl.reward.rewarder import RewardSet
-from dsv4rl.reward.verify_pool import CallFailed
 
 SERVER = Path(__file__).resolve().parents[2] / "examples" / "reward_server.py"
 

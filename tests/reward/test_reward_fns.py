@@ -4,17 +4,19 @@ async functions, and the error fraction that stops a run. Real worker processes,
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
 
+from dsv4rl.checks.reward import signature_problem
 from dsv4rl.config.schema import RewardConfig, RewardFnConfig, RewardOnError
 from dsv4rl.reward.combine import combine, function_metrics
-from dsv4rl.reward.graders import ArithGrader, grade_responses
+from dsv4rl.reward.graders import GRADERS, ArithGrader, grade_responses
 from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.results import BadResult, FnSpec, Outcome, RewardError, read_result, user_frame
 from dsv4rl.reward.rewarder import RewardSet, effective_fns
-from dsv4rl.reward.targets import TargetError, load_function, parse_target, signature_problem
+from dsv4rl.targets import TargetError, load, parse, resolve
 
 HERE = Path(__file__).resolve().parent
 FNS = "user_fns.py"
@@ -44,37 +46,42 @@ def fn(name: str, target: str, **options) -> RewardFnConfig:
 
 # ------------------------------------------------------------------------------------------- targets
 def test_targets_parse_builtin_module_and_file(tmp_path: Path) -> None:
-    assert parse_target("builtin:dapo", [tmp_path]).kind == "builtin"
-    assert parse_target("os.path:join", [tmp_path]).ref == "os.path"
-    file_target = parse_target(f"{FNS}:ok", [tmp_path, HERE])  # the second base directory has it
+    builtin = parse("builtin:dapo", [tmp_path], GRADERS)
+    assert (builtin.kind, builtin.builtin) == ("builtin", "dapo")
+    assert parse("os.path:join", [tmp_path]).ref == "os.path"
+    file_target = parse(f"{FNS}:ok", [tmp_path, HERE])  # the second base directory has it
     assert file_target.kind == "file" and file_target.ref == str(HERE / FNS)
-    assert load_function(file_target).__name__ == "ok"
+    assert resolve(file_target).__name__ == "ok"
 
 
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("builtin:arithmetic", "no builtin grader 'arithmetic'; choose one of builtin:arith"),
+        (
+            "builtin:arithmetic",
+            "no builtin grader 'arithmetic' (did you mean builtin:arith?); choose one of builtin:arith",
+        ),
         ("missing/file.py:score", "file 'missing/file.py' not found (looked for"),
         ("not a target", "is not of the form builtin:<grader>, pkg.module:function"),
     ],
 )
 def test_a_bad_target_names_the_fix(spec: str, message: str) -> None:
-    with pytest.raises(TargetError, match=message.replace("(", r"\(").replace(".", r"\.")):
-        parse_target(spec, [HERE])
+    with pytest.raises(TargetError, match=re.escape(message)):
+        parse(spec, [HERE], GRADERS, builtin_noun="grader")
 
 
 def test_a_misspelled_module_or_function_is_named() -> None:
     with pytest.raises(TargetError, match="no module 'dsv4rl_no_such_module' on the Python path"):
-        load_function(parse_target("dsv4rl_no_such_module:score", [HERE]))
-    with pytest.raises(TargetError, match=r"has no function 'okk' \(its functions: .*ok.*\); fix the name"):
-        load_function(parse_target(f"{FNS}:okk", [HERE]))
+        load("dsv4rl_no_such_module:score", [HERE])
+    with pytest.raises(
+        TargetError,
+        match=r"has no function 'okk' \(its functions: .*ok.*; did you mean 'ok'\?\); fix the name",
+    ):
+        load(f"{FNS}:okk", [HERE])
 
 
 def test_signature_must_take_the_sample_and_the_kwargs() -> None:
-    functions = {
-        name: load_function(parse_target(f"{FNS}:{name}", [HERE])) for name in ("ok", "sleepy", "no_sample")
-    }
+    functions = {name: load(f"{FNS}:{name}", [HERE]) for name in ("ok", "sleepy", "no_sample")}
     assert signature_problem(functions["ok"], {}, group=False) is None
     assert signature_problem(functions["sleepy"], {"delay": 1}, group=False) is None
     problem = signature_problem(functions["ok"], {"delay": 1}, group=False)
@@ -184,7 +191,7 @@ def test_zero_scores_the_failures_zero_and_a_builtin_its_incorrect() -> None:
     assert outcomes[0]["text"].score == 0.0 and "returned str 'seven'" in outcomes[0]["text"].error
     spec = FnSpec("g", "builtin:arith", 1.0, RewardOnError.zero, 1.0, zero=-1.0)
     from dsv4rl.reward.combine import settle
-    from dsv4rl.reward.verify_pool import TIMED_OUT
+    from dsv4rl.reward.results import TIMED_OUT
 
     assert settle(TIMED_OUT, spec, samples(["7"])[0]).score == -1.0
 

@@ -26,13 +26,12 @@ from dsv4rl.reward.combine import check_timeout_fraction, function_metrics
 from dsv4rl.reward.fn_pool import AsyncProcessPool
 from dsv4rl.reward.fn_worker import call_target
 from dsv4rl.reward.graders import PooledGrader
-from dsv4rl.reward.results import FnSpec, Outcome, RewardError
+from dsv4rl.reward.results import TIMED_OUT, FnSpec, Outcome, RewardError
 from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.reward.scorers import BuiltinScorer
 from dsv4rl.reward.step_limits import StepWatch
-from dsv4rl.reward.targets import parse_target
-from dsv4rl.reward.verify_pool import TIMED_OUT
 from dsv4rl.rollout.types import Sample
+from dsv4rl.targets import parse
 from dsv4rl.train import rewarding
 from dsv4rl.train.loop import RLLoop
 from marked_processes import running_with
@@ -54,7 +53,7 @@ def test_no_process_a_call_starts_outlives_its_worker(marker_dir: Path) -> None:
     """The call starts a child, a child in a session of its own and a daemon (double fork + setsid), then
     hangs: at its timeout all three die with the worker. The same when the call kills its worker
     (os._exit), and when the pool closes after calls that returned. An orphan that exits is reaped."""
-    targets = [parse_target(f"{FNS}:{name}", [HERE]) for name in ("spawns", "orphan")]
+    targets = [parse(f"{FNS}:{name}", [HERE]) for name in ("spawns", "orphan")]
     pool = AsyncProcessPool(1, targets)
     loop = asyncio.new_event_loop()
 

@@ -11,7 +11,7 @@ import pytest
 
 from dsv4rl.config.schema import ToolConfig
 from dsv4rl.data.problems import Problem
-from dsv4rl.reward.targets import TargetError
+from dsv4rl.targets import TargetError
 from dsv4rl.tools.base import FunctionTool, Tool, function_schema, schema_problems
 from dsv4rl.tools.loading import build_tool, build_tools, tool_problems
 from dsv4rl.tools.lookup import LookupTool
@@ -229,7 +229,7 @@ def test_unknown_builtin(base):
 
 def test_missing_class(base):
     message = error_of([ToolConfig(target="user_tools.py:Calculator")], base)
-    assert "has no 'Calculator'" in message and "fix the name after the colon" in message
+    assert "has no class or function 'Calculator'" in message and "fix the name after the colon" in message
 
 
 def test_missing_file(base):

@@ -8,27 +8,23 @@ the function exists and its signature takes `(sample, **kwargs)` with the recipe
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
+from collections.abc import Callable
+from typing import Any
 
 from dsv4rl.checks.problems import Add
 from dsv4rl.config.compose import reward_base_dirs
 from dsv4rl.config.schema import Config, GraderName, RewardFnConfig
-from dsv4rl.reward.graders import grader_options
+from dsv4rl.reward.graders import GRADERS, grader_options
 from dsv4rl.reward.judge import reply_parser, template_problem
 from dsv4rl.reward.rewarder import effective_fns
-from dsv4rl.reward.targets import (
-    BUILTIN,
-    FORM,
-    TargetError,
-    load_function,
-    looks_like_target,
-    parse_target,
-    signature_problem,
-)
+from dsv4rl.targets import BUILTIN, TargetError, form, looks_like_target, parse, resolve
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _URL = re.compile(r"https?://\S+")
+FORM = form("function", "grader")
 
 
 def _where(index: int, fn: RewardFnConfig) -> str:
@@ -151,6 +147,26 @@ def _check_judge(cfg: Config, add: Add) -> None:
         add("reward.judge.weight and reward.judge.scale must be finite numbers")
 
 
+def signature_problem(function: Callable[..., Any], kwargs: dict[str, Any], group: bool) -> str | None:
+    """Why `function(sample, **kwargs)` (a group function: `function(samples, **kwargs)`) cannot be called
+    as documented, or None."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None  # a builtin or C function: nothing to check
+    first = "samples: list[RewardInput]" if group else "sample: RewardInput"
+    named = "".join(f", {key}=..." for key in kwargs)
+    try:
+        signature.bind(object(), **kwargs)
+    except TypeError as error:
+        name = getattr(function, "__name__", "f")
+        return (
+            f"{name}{signature} cannot be called as {name}({first.split(':')[0]}{named}) ({error}); define "
+            f"it as `def {name}({first}, **kwargs)`" + (" (group: true)" if group else "")
+        )
+    return None
+
+
 def check_reward_targets(cfg: Config, add: Add) -> None:
     """Each function's target on this machine: found, imported, named, callable as documented."""
     dirs = reward_base_dirs(cfg)
@@ -159,7 +175,7 @@ def check_reward_targets(cfg: Config, add: Add) -> None:
             continue  # refused by check_reward already, or a builtin (checked there)
         where = _where(index, fn)
         try:
-            function = load_function(parse_target(fn.target, dirs))
+            function = resolve(parse(fn.target, dirs, GRADERS, builtin_noun="grader"))
         except TargetError as error:
             add(f"{where}: {error}")
             continue

@@ -8,7 +8,7 @@ import inspect
 from dsv4rl.checks.problems import Add
 from dsv4rl.config.compose import reward_base_dirs
 from dsv4rl.config.schema import ChatFormat, Config, RolloutMode, ToolConfig
-from dsv4rl.reward.targets import TargetError
+from dsv4rl.targets import TargetError
 
 MODES = ", ".join(RolloutMode)
 

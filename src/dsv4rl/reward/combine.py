@@ -19,9 +19,17 @@ from typing import Any
 
 from dsv4rl.config.schema import RewardOnError
 from dsv4rl.reward.inputs import RewardInput
-from dsv4rl.reward.results import BadResult, FnSpec, Outcome, RewardError, read_result, user_frame
+from dsv4rl.reward.results import (
+    TIMED_OUT,
+    BadResult,
+    CallFailed,
+    FnSpec,
+    Outcome,
+    RewardError,
+    read_result,
+    user_frame,
+)
 from dsv4rl.reward.step_limits import timeouts_message
-from dsv4rl.reward.verify_pool import TIMED_OUT, CallFailed
 
 FIX = "fix the function, or set its on_error to zero or exclude (docs/tasks.md)"
 

@@ -1,4 +1,5 @@
-"""Sync reward functions in worker processes, each call under its own deadline, awaited from asyncio.
+"""Every call into user or grader code (sync reward functions, the graders of eval and math-verify) in worker
+processes, each call under its own deadline, awaited from asyncio.
 
 Why this shape (the failures peers' users report, docs/tasks.md): a reward call never runs in the trainer's
 process (a hang there stalls the step), and a timeout is never a signal in the caller or the worker
@@ -8,7 +9,9 @@ each result back as soon as it has it. The loop knows when each call started (wh
 when the previous result came back) and holds its deadline; a call past its deadline gets its worker
 killed and a fresh one started, the rest of that worker's chunk goes back to the queue, and only the slow
 call is lost (`TIMED_OUT`). A worker that dies by itself (a segfault, `os._exit`) gives its call one more
-try, then the call fails as `WorkerDied`.
+try, then the call fails as `WorkerDied`. A call may also ask for its worker's own alarm (`grace_s`: a
+grader's call): SIGALRM stops it at its timeout and the worker goes on (no restart for a Python-level
+loop); only a call the alarm cannot stop (a long C call) is killed, `grace_s` later.
 
 Chunks keep the cost per call low (one message per call back, one per chunk out: a 512-sample step of a
 cheap function costs milliseconds). A worker is a fresh interpreter (`python -m dsv4rl.reward.fn_worker`,
@@ -41,8 +44,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dsv4rl.faults.proc_tree import kill_descendants, kill_group
-from dsv4rl.reward.targets import Target
-from dsv4rl.reward.verify_pool import TIMED_OUT, CallFailed
+from dsv4rl.reward.results import TIMED_OUT, CallFailed
+from dsv4rl.targets import Target
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,18 @@ class _Call:
     args: tuple
     timeout_s: float
     future: asyncio.Future
+    grace_s: float | None = None  # set: the worker's alarm stops the call at timeout_s, the kill comes later
     deaths: int = 0
+
+    @property
+    def alarm_s(self) -> float | None:
+        """When the worker's own alarm stops the call (None: no alarm, the pool's kill only)."""
+        return None if self.grace_s is None else self.timeout_s
+
+    @property
+    def deadline_s(self) -> float:
+        """When the pool kills the call's worker, from the call's start."""
+        return self.timeout_s + (self.grace_s or 0.0)
 
 
 @dataclass
@@ -122,16 +136,20 @@ class AsyncProcessPool:
         self._failure: CallFailed | None = None  # workers that cannot start: every call fails with it
 
     # ------------------------------------------------------------------ calls
-    async def call(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
+    async def call(
+        self, fn: Callable[..., Any], args: tuple, timeout_s: float, grace_s: float | None = None
+    ) -> Any:
         """fn(*args) in a worker within `timeout_s` seconds of starting: its value, TIMED_OUT, or CallFailed
-        (it raised, its result could not come back, or its worker died twice)."""
+        (it raised, its result could not come back, or its worker died twice). With `grace_s`, the worker's
+        alarm stops the call at `timeout_s` and its worker is killed only if it has not answered
+        `grace_s` later."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             self._adopt(loop)
         if self._failure is not None:
             return self._failure
         future = loop.create_future()
-        self._pending.append(_Call(next(self._ids), fn, args, timeout_s, future))
+        self._pending.append(_Call(next(self._ids), fn, args, timeout_s, future, grace_s))
         self._pump()
         return await future
 
@@ -225,6 +243,10 @@ class AsyncProcessPool:
     def _answered(self, worker: _Worker, call_id: int, status: str, value: Any) -> None:
         call = worker.chunk.popleft()
         assert call.id == call_id, (call.id, call_id)
+        if status == "timeout":  # its worker's alarm stopped it
+            self.timeouts += 1
+            log.warning("%s call took over %.1f s: its worker's alarm stopped it", self.label, call.timeout_s)
+            value = TIMED_OUT
         _resolve(call, value)  # status "error": a CallFailed
         self._arm(worker)
 
@@ -235,7 +257,7 @@ class AsyncProcessPool:
             worker.timer = None
         if worker.chunk:
             call = worker.chunk[0]
-            worker.timer = self._loop.call_later(call.timeout_s, self._expired, worker, call.id)
+            worker.timer = self._loop.call_later(call.deadline_s, self._expired, worker, call.id)
         else:
             self._pump()
 
@@ -245,8 +267,9 @@ class AsyncProcessPool:
         call = worker.chunk.popleft()
         self.timeouts += 1
         log.warning(
-            "%s call took over %.1f s: its worker was killed and restarted", self.label, call.timeout_s
-        )
+            "%s call took over %.1f s%s: its worker was killed and restarted",
+            self.label, call.timeout_s, "" if call.grace_s is None else " and did not stop at its alarm",
+        )  # fmt: skip
         _resolve(call, TIMED_OUT)
         self._pending.extendleft(reversed(worker.chunk))  # the rest of its chunk runs again elsewhere
         worker.chunk.clear()
@@ -290,7 +313,7 @@ class AsyncProcessPool:
                 continue
             worker.chunk.extend(chunk)
             try:
-                worker.conn.send([(call.id, call.fn, call.args) for call in chunk])
+                worker.conn.send([(c.id, c.fn, c.args, c.alarm_s) for c in chunk])
             except OSError:
                 self._died(worker)
                 return

@@ -25,8 +25,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dsv4rl.faults.proc_tree import become_subreaper, kill_descendants
-from dsv4rl.reward.targets import Target, load_function
-from dsv4rl.reward.verify_pool import call_failed
+from dsv4rl.reward.results import call_failed
+from dsv4rl.targets import Target, resolve
 
 _FUNCTIONS: dict[Target, Callable[..., Any]] = {}
 
@@ -35,7 +35,7 @@ def call_target(target: Target, payload: Any, kwargs: dict[str, Any]) -> Any:
     """The user's function on one sample (or one group's samples)."""
     function = _FUNCTIONS.get(target)
     if function is None:
-        function = _FUNCTIONS[target] = load_function(target)
+        function = _FUNCTIONS[target] = resolve(target)
     result = function(payload, **kwargs)
     if asyncio.iscoroutine(result):
         result.close()
@@ -43,14 +43,34 @@ def call_target(target: Target, payload: Any, kwargs: dict[str, Any]) -> Any:
     return result
 
 
+class _CallTimeout(BaseException):
+    """Raised by the call's alarm; a BaseException so that `except Exception` in the callee cannot eat it."""
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    raise _CallTimeout
+
+
+def _run(fn: Callable[..., Any], args: tuple, alarm_s: float | None) -> Any:
+    """fn(*args); with `alarm_s`, stopped by SIGALRM that long after (this runs on the main thread)."""
+    if alarm_s is None:
+        return fn(*args)
+    signal.setitimer(signal.ITIMER_REAL, alarm_s)
+    try:
+        return fn(*args)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
 def serve(conn: Connection) -> None:
     """A worker's life: load the targets, say ready, then run chunks until told to stop."""
     try:
         for target in conn.recv():
-            _FUNCTIONS[target] = load_function(target)
+            _FUNCTIONS[target] = resolve(target)
     except Exception as error:
         conn.send(("init_error", call_failed(error)))
         return
+    signal.signal(signal.SIGALRM, _on_alarm)
     conn.send(("ready", os.getpid()))  # the pool learns whether a reaper is above it
     while True:
         try:
@@ -59,9 +79,11 @@ def serve(conn: Connection) -> None:
             return
         if chunk is None:
             return
-        for call_id, fn, args in chunk:
+        for call_id, fn, args, alarm_s in chunk:
             try:
-                out = (call_id, "ok", fn(*args))
+                out = (call_id, "ok", _run(fn, args, alarm_s))
+            except _CallTimeout:
+                out = (call_id, "timeout", None)
             except Exception as error:
                 out = (call_id, "error", call_failed(error))
             try:

@@ -31,16 +31,20 @@ train on zeros). The counts (`Graded.counts`) go into metrics.jsonl and eval rep
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from dsv4rl.config.schema import GraderName, RewardConfig, choice
+from dsv4rl.reward.fn_pool import AsyncProcessPool
 from dsv4rl.reward.normalize import MAX_ANSWER_CHARS, last_answer_line, last_boxed, normalize_final_answer
-from dsv4rl.reward.verify_pool import TIMED_OUT, CallFailed, PoolRound, VerifyPool, call_failed, verify_answer
+from dsv4rl.reward.results import TIMED_OUT, CallFailed, call_failed
+from dsv4rl.targets import BUILTIN, load, parse
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +62,7 @@ class Grader(Protocol):
         ...
 
 
-def _normalized(answer: str | None) -> str | None:
+def normalized_answer(answer: str | None) -> str | None:
     """An extracted answer, normalised; None for none, or for one longer than MAX_ANSWER_CHARS."""
     return normalize_final_answer(answer) if answer is not None and len(answer) <= MAX_ANSWER_CHARS else None
 
@@ -97,7 +101,7 @@ class DapoGrader:
         return self.correct if ok else self.incorrect
 
     def final_answer(self, response: str) -> str | None:
-        return _normalized(self.extract(response))
+        return normalized_answer(self.extract(response))
 
 
 @dataclass
@@ -120,32 +124,7 @@ class BoxedGrader:
         return self.correct if ok else self.incorrect
 
     def final_answer(self, response: str) -> str | None:
-        return _normalized(last_boxed(response))
-
-
-MATH_VERIFY_TAIL_CHARS = 4000
-
-
-@dataclass
-class MathVerifyRule:
-    """What a math_verify worker runs for one response (`MathVerifyGrader` is this rule in its pool)."""
-
-    correct: float = 1.0
-    incorrect: float = 0.0
-    tail_chars: int = MATH_VERIFY_TAIL_CHARS  # what math-verify reads of a response (0: all of it)
-    name: str = field(default="math_verify", init=False)
-
-    def tail(self, response: str) -> str:
-        return response[-self.tail_chars :] if self.tail_chars > 0 else response
-
-    def grade(self, response: str, ground_truth: str) -> float:
-        return self.correct if verify_answer(self.tail(response), ground_truth) else self.incorrect
-
-    def final_answer(self, response: str) -> str | None:
-        """math-verify reads the last \\boxed{} (else the last "Answer:" line); votes use its normal form."""
-        text = self.tail(response)
-        answer = last_boxed(text)
-        return _normalized(answer if answer is not None else last_answer_line(text))
+        return normalized_answer(last_boxed(response))
 
 
 def _grade_call(rule: Grader, response: str, truth: str, reward: bool, answer: bool) -> tuple:
@@ -156,18 +135,36 @@ def _grade_call(rule: Grader, response: str, truth: str, reward: bool, answer: b
     )
 
 
+@dataclass
+class PoolRound:
+    """One `PooledGrader.run`: per call a value, TIMED_OUT or CallFailed; and the workers restarted."""
+
+    results: list[Any]
+    restarts: int = 0
+
+
+GRACE_S = 2.0  # past its timeout, how long a call that its worker's alarm did not stop may take to answer
+
+
 class PooledGrader:
-    """A grader whose calls run in `num_workers` worker processes (started on first use), each call under
-    `timeout_s`; `close()` stops them. Eval wraps every grader in one; math_verify is one always."""
+    """A grader whose calls run in `num_workers` worker processes (`AsyncProcessPool`, started on first use),
+    each call under `timeout_s`; `close()` stops them. Eval wraps every grader in one; math_verify is one
+    always. Usable from any thread: the pool lives on an event loop of its own thread, and rounds are
+    serialised (each round's restarts are its own).
+
+    A call past `timeout_s` is stopped by its worker's alarm (the worker goes on); one stuck where no signal
+    gets through (a long C loop) has its worker killed at `timeout_s + GRACE_S` and a fresh one started."""
 
     def __init__(self, rule: Grader, timeout_s: float = 5.0, num_workers: int = 1):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 (reward.timeout_s), got {timeout_s}")
         self.rule, self.timeout_s, self.num_workers = rule, timeout_s, num_workers
-        self._pool = VerifyPool(
-            num_workers=num_workers,
-            timeout_s=timeout_s,
-            label=f"grader {rule.name}",
-            warm_math_verify=rule.name == GraderName.math_verify,
-        )
+        # math-verify's workers load its builtin target (its sympy import) before they say ready
+        preload = [parse(BUILTIN + rule.name, (), GRADERS)] if rule.name == GraderName.math_verify else []
+        self._pool = AsyncProcessPool(num_workers, preload, label=f"grader {rule.name}")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -181,10 +178,27 @@ class PooledGrader:
     def incorrect(self) -> float:
         return self.rule.incorrect
 
+    def _round(self, calls: list[tuple]) -> PoolRound:
+        """`_grade_call(*call)` for each call in the pool, from any thread (one round at a time)."""
+
+        async def gather() -> list[Any]:
+            pending = [self._pool.call(_grade_call, c, self.timeout_s, grace_s=GRACE_S) for c in calls]
+            return list(await asyncio.gather(*pending))
+
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(
+                    target=self._loop.run_forever, name=f"dsv4rl-{self.name}-pool", daemon=True
+                )
+                self._thread.start()
+            before = self._pool.restarts
+            results = asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
+            return PoolRound(results, self._pool.restarts - before)
+
     def run(self, responses: Sequence[str], truths: Sequence[str], answers: bool) -> PoolRound:
         """One pool round: (reward, final answer or None) per response, or TIMED_OUT / CallFailed."""
-        calls = [(self.rule, r, t, True, answers) for r, t in zip(responses, truths, strict=True)]
-        return self._pool.run(_grade_call, calls)
+        return self._round([(self.rule, r, t, True, answers) for r, t in zip(responses, truths, strict=True)])
 
     def grade(self, response: str, ground_truth: str) -> float:
         return grade_responses(self, [response], [ground_truth]).rewards[0]
@@ -193,7 +207,7 @@ class PooledGrader:
         return grade_responses(self, responses, ground_truths).rewards
 
     def final_answer(self, response: str) -> str | None:
-        (outcome,) = self._pool.map(_grade_call, [(self.rule, response, "", False, True)])
+        (outcome,) = self._round([(self.rule, response, "", False, True)]).results
         if isinstance(outcome, CallFailed):
             raise GraderError(
                 f"grader {self.name}: final_answer raised {outcome.error_type}: {outcome.message}"
@@ -202,32 +216,29 @@ class PooledGrader:
 
     @property
     def restarts(self) -> int:
-        """How many times the worker pool was killed (timeouts, dead workers)."""
+        """How many times a worker was killed and replaced (a call stuck past its alarm, a dead worker)."""
         return self._pool.restarts
 
     def close(self) -> None:
-        self._pool.close()
+        with self._lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+            if loop is None:
+                return
+
+            async def close_pool() -> None:
+                self._pool.close()
+
+            asyncio.run_coroutine_threadsafe(close_pool(), loop).result()
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
+            if not thread.is_alive():
+                loop.close()
 
     def __getstate__(self) -> dict:  # picklable: the copy starts its own workers
         return {"rule": self.rule, "timeout_s": self.timeout_s, "num_workers": self.num_workers}
 
     def __setstate__(self, state: dict) -> None:
         PooledGrader.__init__(self, **state)
-
-
-class MathVerifyGrader(PooledGrader):
-    """math-verify in `num_workers` worker processes (started on first use); `close()` stops them."""
-
-    def __init__(
-        self,
-        correct: float = 1.0,
-        incorrect: float = 0.0,
-        timeout_s: float = 5.0,
-        num_workers: int = 1,
-        tail_chars: int = MATH_VERIFY_TAIL_CHARS,
-    ):
-        rule = MathVerifyRule(correct, incorrect, tail_chars)
-        super().__init__(rule, timeout_s=timeout_s, num_workers=num_workers)
 
 
 class GraderError(RuntimeError):
@@ -364,12 +375,14 @@ def grade_batch(
     return grade_responses(grader, responses, answers, max_error_fraction=max_error_fraction).rewards
 
 
-GRADERS: dict[GraderName, type] = {
-    GraderName.arith: ArithGrader,
-    GraderName.dapo: DapoGrader,
-    GraderName.answer_line: AnswerLineGrader,
-    GraderName.boxed: BoxedGrader,
-    GraderName.math_verify: MathVerifyGrader,
+# The builtin graders as targets (`builtin:<grader>`, dsv4rl.targets); math_verify is loaded only when used
+# (its module imports math-verify, and so sympy).
+GRADERS: dict[str, str] = {
+    GraderName.arith: f"{__name__}:ArithGrader",
+    GraderName.dapo: f"{__name__}:DapoGrader",
+    GraderName.answer_line: f"{__name__}:AnswerLineGrader",
+    GraderName.boxed: f"{__name__}:BoxedGrader",
+    GraderName.math_verify: "dsv4rl.reward.math_verify:MathVerifyGrader",
 }
 _OPTIONS = {
     GraderName.arith: ("correct", "incorrect"),
@@ -404,7 +417,7 @@ def get_grader(
         if name == GraderName.math_verify:
             defaults |= {"timeout_s": reward.timeout_s, "num_workers": reward.num_workers}
         kwargs = {**defaults, **kwargs}
-    grader = GRADERS[name](**kwargs)
+    grader = load(BUILTIN + name, (), GRADERS, role="grader", what="class", builtin_noun="grader")(**kwargs)
     if pooled and not isinstance(grader, PooledGrader):
         grader = PooledGrader(grader, timeout_s=reward.timeout_s, num_workers=reward.num_workers)
     return grader
@@ -425,9 +438,6 @@ __all__ = [
     "Graded",
     "Grader",
     "GraderError",
-    "MATH_VERIFY_TAIL_CHARS",
-    "MathVerifyGrader",
-    "MathVerifyRule",
     "PooledGrader",
     "get_grader",
     "grader_options",

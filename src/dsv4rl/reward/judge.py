@@ -26,9 +26,8 @@ import httpx
 from dsv4rl.config.schema import RewardJudgeConfig
 from dsv4rl.reward.http_retry import BACKOFF_S, HTTPScorerClient, RewardHTTPError, json_reply, post_json
 from dsv4rl.reward.inputs import RewardInput, template_fields
-from dsv4rl.reward.results import BadResult, FnSpec, read_result
-from dsv4rl.reward.targets import BUILTIN, load_function, looks_like_target, parse_target
-from dsv4rl.reward.verify_pool import CallFailed, call_failed
+from dsv4rl.reward.results import BadResult, CallFailed, FnSpec, call_failed, read_result
+from dsv4rl.targets import BUILTIN, load, looks_like_target
 
 WHAT = "judge"
 CHAT_ROUTE = "/v1/chat/completions"
@@ -69,7 +68,7 @@ def reply_parser(parse: str, base_dirs: list[Path]) -> Callable[[str], float | N
     if parse == "number":
         return number_parser
     if looks_like_target(parse) and not parse.startswith(BUILTIN):
-        return load_function(parse_target(parse, base_dirs))
+        return load(parse, base_dirs)
     try:
         pattern = re.compile(parse)
     except re.error as error:

@@ -19,8 +19,7 @@ import httpx
 from dsv4rl.config.schema import RemoteRewardConfig
 from dsv4rl.reward.http_retry import BACKOFF_S, HTTPScorerClient, RewardHTTPError, json_reply, post_json
 from dsv4rl.reward.inputs import CONTRACT_VERSION, RewardInput
-from dsv4rl.reward.results import FnSpec
-from dsv4rl.reward.verify_pool import CallFailed
+from dsv4rl.reward.results import CallFailed, FnSpec
 
 WHAT = "remote reward"
 EXPECTED = (

@@ -1,4 +1,5 @@
-"""What a reward function returned, read as a score and named numbers; where a failed call raised.
+"""What a call into user or grader code gave (a value, `TIMED_OUT` or a `CallFailed`); what a reward function
+returned, read as a score and named numbers; where a failed call raised.
 
 A function returns a number (the score), a dict with `score` and any other numeric keys (each logged as
 `reward/<name>/<key>`), or None (no score from this function for that sample). Anything else is the
@@ -9,11 +10,43 @@ from __future__ import annotations
 
 import math
 import re
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsv4rl.config.schema import RewardOnError
+
+
+class _Sentinel:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+TIMED_OUT = _Sentinel("TIMED_OUT")  # result of a call that ran out of time
+
+
+@dataclass(frozen=True)
+class CallFailed:
+    """Result of a call that raised (or whose worker died twice): the exception's type and message."""
+
+    error_type: str  # "TypeError", "sympy.core.sympify.SympifyError", ...
+    message: str
+    traceback: str = ""  # the worker's traceback, for the log and the error that stops a run
+
+
+def _type_name(exc: BaseException) -> str:
+    kind = type(exc)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def call_failed(exc: BaseException) -> CallFailed:
+    """`exc` as a call's result (its traceback kept for the message that stops a run)."""
+    return CallFailed(_type_name(exc), str(exc), "".join(traceback.format_exception(exc)))
+
 
 # metrics.jsonl keys of each function's counts: a dict result may not use these names
 COUNT_KEYS = ("scored", "none", "timeouts", "errors")

@@ -20,14 +20,14 @@ from pathlib import Path
 from dsv4rl.config.schema import RewardConfig, RewardFnConfig
 from dsv4rl.reward.combine import Combined, check_error_fraction, check_timeout_fraction, combine, settle
 from dsv4rl.reward.fn_pool import AsyncProcessPool
-from dsv4rl.reward.graders import Grader, PooledGrader, get_grader, grader_options
+from dsv4rl.reward.graders import GRADERS, Grader, PooledGrader, get_grader, grader_options
 from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.judge import JudgeScorer
 from dsv4rl.reward.remote import RemoteScorer
 from dsv4rl.reward.results import FnSpec, Outcome, RewardError
 from dsv4rl.reward.scorers import AsyncScorer, BuiltinScorer, PoolScorer, Scorer
 from dsv4rl.reward.step_limits import StepWatch
-from dsv4rl.reward.targets import BUILTIN, is_async, load_function, parse_target
+from dsv4rl.targets import BUILTIN, is_async, parse, resolve
 
 
 def effective_fns(cfg: RewardConfig) -> list[RewardFnConfig]:
@@ -92,13 +92,13 @@ class RewardSet:
         for fn in effective_fns(cfg):
             timeout = fn.timeout_s if fn.timeout_s is not None else cfg.timeout_s
             spec = FnSpec(fn.name, fn.target, fn.weight, fn.on_error, timeout, fn.group)
-            target = parse_target(fn.target, dirs)
+            target = parse(fn.target, dirs, GRADERS, builtin_noun="grader")
             if target.kind == "builtin":
-                grader = builtin_grader(fn, cfg, target.ref)
+                grader = builtin_grader(fn, cfg, target.builtin)
                 spec = replace(spec, zero=float(getattr(grader, "incorrect", 0.0)))
                 scorers.append(BuiltinScorer(spec, grader))
                 continue
-            function = load_function(target)
+            function = resolve(target)
             if is_async(function):
                 scorers.append(AsyncScorer(spec, function, fn.kwargs, limit))
             else:

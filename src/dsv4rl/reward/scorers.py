@@ -17,10 +17,9 @@ from dsv4rl.reward.fn_pool import AsyncProcessPool
 from dsv4rl.reward.fn_worker import call_target
 from dsv4rl.reward.graders import Grader, PooledGrader
 from dsv4rl.reward.inputs import RewardInput
-from dsv4rl.reward.results import FnSpec
+from dsv4rl.reward.results import TIMED_OUT, CallFailed, FnSpec, call_failed
 from dsv4rl.reward.step_limits import NO_WATCH, FunctionWatch
-from dsv4rl.reward.targets import Target
-from dsv4rl.reward.verify_pool import TIMED_OUT, CallFailed, call_failed
+from dsv4rl.targets import Target
 
 
 class Scorer(Protocol):

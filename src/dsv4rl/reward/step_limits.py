@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dsv4rl.reward.verify_pool import TIMED_OUT
+from dsv4rl.reward.results import TIMED_OUT
 
 if TYPE_CHECKING:
     from dsv4rl.reward.results import FnSpec

@@ -16,11 +16,11 @@ from typing import Any
 
 from dsv4rl.config.schema import Config, RolloutMode
 from dsv4rl.data.chat_format import ChatSettings, PromptRenderer
-from dsv4rl.reward.targets import TargetError, load_module, parse_target
 from dsv4rl.rollout.choices import ChoiceRequest
 from dsv4rl.rollout.env import ToolEnv
 from dsv4rl.rollout.trajectory import TrajectoryRunner
 from dsv4rl.rollout.turn_format import turn_format
+from dsv4rl.targets import TargetError, load
 from dsv4rl.tools.base import Tool
 from dsv4rl.tools.loading import build_tools
 
@@ -34,12 +34,7 @@ class MultiTurn:
 
 def load_env(spec: str, kwargs: dict[str, Any], base_dirs: Sequence[Path]) -> Any:
     """`rollout.env`'s class built with `rollout.env_kwargs`; TargetError naming the fix."""
-    target = parse_target(spec, list(base_dirs))
-    if target.kind == "builtin":
-        raise TargetError(f"rollout.env={spec!r}: give pkg.module:Class or path/to/file.py:Class")
-    found = getattr(load_module(target), target.function, None)
-    if found is None:
-        raise TargetError(f"rollout.env={spec!r}: {target.ref} has no {target.function!r}")
+    found = load(spec, base_dirs, None, role="rollout.env", what="class", builtin_noun="environment")
     env = found(**kwargs) if inspect.isclass(found) else found
     missing = [m for m in ("reset", "step") if not inspect.iscoroutinefunction(getattr(env, m, None))]
     if missing:

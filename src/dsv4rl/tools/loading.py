@@ -8,47 +8,25 @@ signature and docstring).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dsv4rl.config.schema import ToolConfig
-from dsv4rl.reward.targets import TargetError, load_module, parse_target
+from dsv4rl.targets import TargetError, load
 from dsv4rl.tools.base import FunctionTool, Tool
 from dsv4rl.tools.sandbox.isolation import GUARANTEES
 
-BUILTIN = "builtin:"
 BUILTINS = {"python": "dsv4rl.tools.python_tool:PythonTool", "lookup": "dsv4rl.tools.lookup:LookupTool"}
 METHODS = ("open", "call", "close")
 
 
-def _resolve(spec: str, base_dirs: Sequence[Path]) -> Any:
-    if spec.startswith(BUILTIN):
-        name = spec.removeprefix(BUILTIN)
-        if name not in BUILTINS:
-            raise TargetError(
-                f"tool target {spec!r}: no builtin tool {name!r}; choose one of "
-                f"{', '.join(BUILTIN + n for n in BUILTINS)}"
-            )
-        module, attr = BUILTINS[name].split(":")
-        return getattr(importlib.import_module(module), attr)
-    target = parse_target(spec, list(base_dirs))
-    if target.kind == "builtin":
-        raise TargetError(f"tool target {spec!r}: builtin graders are not tools")
-    module = load_module(target)
-    found = getattr(module, target.function, None)
-    if found is None:
-        raise TargetError(
-            f"tool target {spec!r}: {target.ref} has no {target.function!r}; fix the name after the colon"
-        )
-    return found
-
-
 def build_tool(entry: ToolConfig, base_dirs: Sequence[Path]) -> Tool:
     """One entry of `rollout.tools` as a ready tool; TargetError (naming the fix) when it cannot be."""
-    found = _resolve(entry.target, base_dirs)
+    found = load(
+        entry.target, base_dirs, BUILTINS, role="tool target", what="class or function", builtin_noun="tool"
+    )
     kwargs = dict(entry.kwargs)
     if inspect.isclass(found):
         try:
