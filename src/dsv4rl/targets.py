@@ -231,3 +231,26 @@ def is_async(function: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
         getattr(function, "__call__", None)  # noqa: B004
     )
+
+
+def keyword_problem(function: Callable[..., Any], kwargs: Mapping[str, Any], *, skip: int = 0) -> str | None:
+    """The recipe's keyword arguments that `function` does not take, with the nearest names it does, or
+    None. A misspelled keyword is the recipe's mistake: the fix is the recipe's spelling, never a `**kwargs`
+    in the function that would swallow it. `skip`: leading parameters the caller fills (the sample)."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return None  # a builtin or C function: nothing to check
+    if any(p.kind == p.VAR_KEYWORD for p in parameters):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    taken = [p.name for p in parameters[skip:] if p.kind in (*positional[1:], p.KEYWORD_ONLY)]
+    unknown = [key for key in kwargs if key not in taken]
+    if not unknown:
+        return None
+    said = "; ".join(f"unknown keyword argument {key!r}{_did_you_mean(key, taken)}" for key in unknown)
+    takes = f"it takes {', '.join(taken)}" if taken else "it takes no keyword arguments"
+    if any(difflib.get_close_matches(key, taken, n=1, cutoff=0.6) for key in unknown):
+        return f"{said} ({takes}): fix the spelling in the recipe's kwargs"
+    named = ", ".join(f"{key}=..." for key in unknown)
+    return f"{said} ({takes}): drop it from the recipe's kwargs, or give it a parameter ({named})"

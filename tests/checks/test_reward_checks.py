@@ -47,7 +47,7 @@ def test_a_misspelled_target_a_missing_file_and_a_wrong_signature_together() -> 
         "reward.fns[2] (c): " in text
         and "define it as `def no_sample(sample: RewardInput, **kwargs)`" in text
     )
-    assert "cannot be called as ok(sample, level=...)" in text
+    assert "unknown keyword argument 'level' (it takes no keyword arguments)" in text
     assert "has no function 'okk'" in text and "fix the name after the colon" in text
 
 

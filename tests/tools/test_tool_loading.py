@@ -264,7 +264,13 @@ def test_class_whose_schema_names_another_tool(base):
 
 def test_class_with_wrong_kwargs(base):
     message = error_of([ToolConfig(target="user_tools.py:Counter", kwargs={"begin": 1})], base)
-    assert "Counter(**{'begin': 1}) failed" in message and "fix the entry's kwargs" in message
+    assert (
+        "Counter: unknown keyword argument 'begin' (it takes start): drop it from the recipe's kwargs"
+        in message
+    )
+    misspelled = error_of([ToolConfig(target="user_tools.py:Counter", kwargs={"strat": 1})], base)
+    assert "unknown keyword argument 'strat'; did you mean 'start'? (it takes start)" in misspelled
+    assert "fix the spelling in the recipe's kwargs" in misspelled
 
 
 def test_class_whose_constructor_raises(base):

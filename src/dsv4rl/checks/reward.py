@@ -20,7 +20,7 @@ from dsv4rl.config.schema import Config, GraderName, RewardFnConfig
 from dsv4rl.reward.graders import GRADERS, grader_options
 from dsv4rl.reward.judge import reply_parser, template_problem
 from dsv4rl.reward.rewarder import effective_fns
-from dsv4rl.targets import BUILTIN, TargetError, form, looks_like_target, parse, resolve
+from dsv4rl.targets import BUILTIN, TargetError, form, keyword_problem, looks_like_target, parse, resolve
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _URL = re.compile(r"https?://\S+")
@@ -155,11 +155,14 @@ def signature_problem(function: Callable[..., Any], kwargs: dict[str, Any], grou
     except (TypeError, ValueError):
         return None  # a builtin or C function: nothing to check
     first = "samples: list[RewardInput]" if group else "sample: RewardInput"
+    name = getattr(function, "__name__", "f")
+    misspelled = keyword_problem(function, kwargs, skip=1)
+    if misspelled:
+        return f"{name}{signature}: {misspelled}"
     named = "".join(f", {key}=..." for key in kwargs)
     try:
         signature.bind(object(), **kwargs)
     except TypeError as error:
-        name = getattr(function, "__name__", "f")
         return (
             f"{name}{signature} cannot be called as {name}({first.split(':')[0]}{named}) ({error}); define "
             f"it as `def {name}({first}, **kwargs)`" + (" (group: true)" if group else "")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4rl.config.schema import ToolConfig
-from dsv4rl.targets import TargetError, load
+from dsv4rl.targets import TargetError, keyword_problem, load
 from dsv4rl.tools.base import FunctionTool, Tool
 from dsv4rl.tools.sandbox.isolation import GUARANTEES
 
@@ -29,6 +29,9 @@ def build_tool(entry: ToolConfig, base_dirs: Sequence[Path]) -> Tool:
     )
     kwargs = dict(entry.kwargs)
     if inspect.isclass(found):
+        misspelled = keyword_problem(found, kwargs)
+        if misspelled:
+            raise TargetError(f"tool {entry.target!r}: {found.__name__}: {misspelled}")
         try:
             tool = found(**kwargs)
         except TypeError as error:
