@@ -312,7 +312,8 @@ def export_command(
 ) -> None:
     """Write a training checkpoint (FSDP or Megatron, any layout) as a model directory: sharded
     safetensors with an index, config.json with the release's keys, the tokenizer, dsv4rl-export.json."""
-    from dsv4rl.config.schema import ExportFormat, QuantMode, choice
+    from dsv4rl.config.choices import choice
+    from dsv4rl.config.schema import ExportFormat, QuantMode
 
     try:
         chosen_format = choice(ExportFormat, fmt, "--format")
