@@ -6,7 +6,6 @@ Kept thin on purpose: composition and validation live in `dsv4rl.config`, proces
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Annotated
 
@@ -26,7 +25,7 @@ from dsv4rl.config.compose import (
     list_recipes,
     to_yaml,
 )
-from dsv4rl.config.schema import AlignFeature, Config, EvalSet, RolloutSort, Task
+from dsv4rl.config.schema import AlignFeature, Config, RolloutSort, Task
 
 app = typer.Typer(
     name="dsv4rl",
@@ -69,15 +68,9 @@ def _split_recipe(args: list[str]) -> tuple[str, list[str]]:
 
 
 def _check_engine_python(cfg: Config, nodes: list[int] | None = None, hint: str = "") -> None:
-    """Refuse a recipe whose SGLang interpreter cannot serve this run (missing, no sglang, another torch)."""
-    from dsv4rl.launcher.engine_python import check_engine_python
+    from dsv4rl.launcher.engine_python import require_engine_python
 
-    problems = check_engine_python(cfg, nodes)
-    if problems:
-        text = problems[0]
-        if len(problems) > 1:
-            text = "the SGLang interpreter cannot serve this run:\n" + "\n".join(f"  - {p}" for p in problems)
-        raise ConfigError(f"recipe {cfg.recipe!r}: {text}{hint}", problems)
+    require_engine_python(cfg, nodes, hint)
 
 
 # `recipe=NAME` then Hydra overrides: every command that takes a recipe takes them the same way.
@@ -267,9 +260,7 @@ def eval_command(
     samples n responses per problem, grades them and writes <run.dir>/eval/<set>/eval.json. With
     --responses no engine starts: the saved responses are graded.
     """
-    from pathlib import Path
-
-    from dsv4rl.eval.presets import SamplingPreset, preset_overrides
+    from dsv4rl.eval.presets import SamplingPreset
 
     try:
         chosen = SamplingPreset(preset) if preset is not None else None
@@ -277,73 +268,20 @@ def eval_command(
         raise _fail(
             f"--preset {preset!r} is unknown; choose one of {[p.value for p in SamplingPreset]}"
         ) from None
-    from dsv4rl.eval.weights import scored_weights
-    from dsv4rl.export.for_eval import export_for_eval, run_checkpoints_note, split_checkpoint_arg
-    from dsv4rl.export.sources import ExportError
+    from dsv4rl.eval.view import render_eval
+    from dsv4rl.export.for_eval import split_checkpoint_arg
+    from dsv4rl.launcher.eval_run import eval_config, run_eval
 
     console = Console(stderr=True) if as_json else Console()
     try:
-        checkpoint_target, plain_args = split_checkpoint_arg(list(args or []))
+        checkpoint, plain_args = split_checkpoint_arg(list(args or []))
         recipe, overrides = _split_eval_args(plain_args)
-        cfg = compose(recipe, [f"eval={eval_set}", *preset_overrides(chosen), *overrides])
-        if cfg.eval is None:
-            raise ConfigError(f"eval set {eval_set!r} evaluates nothing; choose one of {', '.join(EvalSet)}")
-        eval_dir = Path(cfg.run.dir) / "eval" / eval_set
-        if checkpoint_target is not None:  # a run's checkpoint: exported once, then scored as a model dir
-            if responses is not None or any(a.startswith("model.path=") for a in overrides):
-                raise ConfigError("checkpoint= names the weights to score: drop model.path= and --responses")
-            checkpoint, exported = export_for_eval(checkpoint_target, cfg.quant.name, console)
-            cfg.model.path = str(exported)
-            run_given = any(a.startswith("run.dir=") for a in overrides)
-            base = Path(cfg.run.dir) if run_given else checkpoint.run_dir
-            eval_dir = base / "eval" / eval_set / checkpoint.path.name
-        elif responses is None:
-            note = run_checkpoints_note(Path(cfg.run.dir), scored_weights(cfg.model.path, eval_dir))
-            if note:
-                console.print(note, style="yellow", soft_wrap=True)
-        cfg.run.dir = str(eval_dir)
-        if responses is not None:  # nothing is sampled: the eval's cap does not bind the recipe's model
-            cfg.eval.sampling = copy.deepcopy(cfg.algo.sampling)
-        validate(cfg, check_paths=True)
-        if responses is None:
-            _check_engine_python(cfg)
-    except (ConfigError, ExportError, ValueError) as exc:
+        cfg = eval_config(eval_set, recipe, overrides, checkpoint, responses, chosen, console)
+        report, report_path = run_eval(
+            cfg, responses, lambda run, path: _run_task_for_report(run, Task.eval, console, path)
+        )
+    except ValueError as exc:  # ConfigError, ExportError, EvalDataError, ResponsesError: named problems
         raise _fail(str(exc)) from None
-
-    from dsv4rl.eval.data import EvalDataError, eval_problems
-    from dsv4rl.eval.run import REPORT_FILE, ResponsesError, eval_grader, evaluate_responses, write_report
-    from dsv4rl.eval.view import render_eval
-
-    run_dir = Path(cfg.run.dir).resolve()
-    report_path = run_dir / REPORT_FILE
-    report_path.unlink(missing_ok=True)  # never show an earlier run's numbers
-    if responses is not None:
-        if not Path(responses).is_file():
-            raise _fail(f"--responses {responses}: no such file")
-        grader = eval_grader(cfg)
-        try:
-            from dsv4rl.data.chat_format import eval_chat_settings
-
-            report = evaluate_responses(
-                cfg.eval,
-                eval_problems(cfg),
-                Path(responses),
-                grader,
-                cfg.reward.max_error_fraction,
-                eval_chat_settings(cfg).format,
-            )
-        except (EvalDataError, ResponsesError, ValueError) as exc:
-            raise _fail(str(exc)) from None
-        finally:
-            getattr(grader, "close", lambda: None)()
-        report["weights"] = {"kind": "responses", "responses_file": str(Path(responses).resolve())}
-        write_report(report, run_dir)
-    else:
-        try:
-            eval_problems(cfg)  # a data problem is named before any engine starts
-        except (EvalDataError, ValueError) as exc:
-            raise _fail(str(exc)) from None
-        report = _run_task_for_report(cfg, Task.eval, console, report_path)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
@@ -374,7 +312,8 @@ def export_command(
 ) -> None:
     """Write a training checkpoint (FSDP or Megatron, any layout) as a model directory: sharded
     safetensors with an index, config.json with the release's keys, the tokenizer, dsv4rl-export.json."""
-    from dsv4rl.config.schema import ExportFormat, QuantMode, choice
+    from dsv4rl.config.choices import choice
+    from dsv4rl.config.schema import ExportFormat, QuantMode
 
     try:
         chosen_format = choice(ExportFormat, fmt, "--format")

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from dsv4rl.config.compose import compose
-from dsv4rl.config.schema import PauseMode
+from dsv4rl.config.sglang_choices import PauseMode
 from dsv4rl.data.problems import Problem
 from dsv4rl.model.tiny import load_model, load_tokenizer
 from dsv4rl.model.wire_format import WireFormat

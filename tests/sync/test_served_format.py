@@ -40,7 +40,7 @@ def test_sglang_holds_what_its_environment_makes_of_the_checkpoint(checkpoint, e
 def test_the_moe_runner_decides_the_mxfp4_scale_dtype():
     """The planner's MoE row: flashinfer_mxfp4 (what auto becomes on Hopper) creates E8M0 expert scales;
     FP8 experts keep float32 scales under any runner."""
-    from dsv4rl.config.schema import DeviceFamily, ExpertLoad
+    from dsv4rl.config.sglang_choices import DeviceFamily, ExpertLoad
     from dsv4rl.quant.sglang_moe import moe_path
 
     hopper = moe_path(ExpertLoad.mxfp4, DeviceFamily.hopper)

@@ -103,3 +103,13 @@ def test_an_excluded_sample_carries_no_loss():
     batch = TrainBatch.from_samples([kept, excluded], pad_id=0)
     assert batch.loss_mask.tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
     assert batch.num_tokens == 2
+
+
+def test_a_bad_loss_mask_names_its_own_sample():
+    """The loss-mask check names the sample that is wrong, not the last one the first check looked at."""
+    good = sample([5], [1, 2])
+    bad = sample([5], [1, 2])
+    bad.loss_mask = [1.0]
+    last = sample([5], [3])
+    with pytest.raises(ValueError, match=r"^sample 1 has 2 response tokens but a loss mask of 1$"):
+        TrainBatch.from_samples([good, bad, last], PAD)

@@ -7,25 +7,6 @@ from pathlib import Path
 import torch
 
 from dsv4rl.config.schema import Config
-from dsv4rl.rollout.types import Sample
-from dsv4rl.train.loop import shape_rewards
-
-
-def sample(length: int) -> Sample:
-    return Sample(0, [0, 5], [7] * length, [-0.1] * length, "", "length")
-
-
-def test_rewards_pass_through_without_overlong_shaping() -> None:
-    cfg = Config()
-    assert torch.equal(shape_rewards(cfg, [sample(10), sample(3)], [1.0, 0.0]), torch.tensor([1.0, 0.0]))
-
-
-def test_overlong_shaping_penalises_long_responses() -> None:
-    cfg = Config()
-    cfg.algo.overlong.enabled = True
-    cfg.algo.overlong.expected_len, cfg.algo.overlong.buffer_len = 8, 4  # cap 12, penalty from 8
-    rewards = shape_rewards(cfg, [sample(8), sample(10), sample(12)], [1.0, 1.0, 1.0])
-    assert torch.allclose(rewards, torch.tensor([1.0, 0.5, 0.0]))
 
 
 def test_sync_weights_verifies_when_due_and_stops_on_a_failed_check(monkeypatch) -> None:

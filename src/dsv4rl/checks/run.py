@@ -17,11 +17,11 @@ from dsv4rl.config.schema import (
     LoggerKind,
     LRSchedule,
     OptimizerName,
-    PauseMode,
     RolloutEngineKind,
     SamplingConfig,
     WandbConfig,
 )
+from dsv4rl.config.sglang_choices import PauseMode
 from dsv4rl.data.chat_format import data_chat_settings, eval_chat_settings, settings_problems
 from dsv4rl.model.freeze import entry_problems as freeze_entry_problems
 from dsv4rl.model.release_config import (

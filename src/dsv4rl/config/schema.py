@@ -9,28 +9,10 @@ before any process starts. Cross-field rules (parallel layouts, sizes) live in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Any
 
-
-class Choice(StrEnum):
-    """A fixed set of choices of the schema. A member prints as its value, in messages too (`{x!r}`
-    gives 'aime24', as the recipe spells it)."""
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-
-E = TypeVar("E", bound=StrEnum)
-
-
-def choice(kind: type[E], value: object, key: str) -> E:
-    """`value` as one of `kind`'s members, or a ValueError naming `key` and the choices. Code that takes a
-    setting from outside a composed recipe (an argument, a request) turns it into the schema's enum here."""
-    try:
-        return kind(value)
-    except ValueError:
-        raise ValueError(f"{key}={value!r} is unknown; choose one of {', '.join(kind)}") from None
+from dsv4rl.config.choices import Choice
+from dsv4rl.config.sglang_choices import PauseMode, SyncLoadFormat
 
 
 class Task(Choice):
@@ -202,14 +184,6 @@ class LRSchedule(Choice):
     cosine = "cosine"  # after warmup, decay to lr * min_lr_ratio at the last optimizer step
 
 
-class PauseMode(Choice):
-    """How SGLang's /pause_generation treats in-flight requests while weights change."""
-
-    abort = "abort"
-    retract = "retract"  # back to the queue, re-prefilled with the new weights
-    in_place = "in_place"  # kept with their (stale) KV cache
-
-
 class ResumeMode(Choice):
     """`resume=`: what a run does with the checkpoints already in its run dir. Reads like the bool it
     replaces (`if cfg.resume:` is true for `true` and `auto`); `resume=true/false` still parse."""
@@ -220,14 +194,6 @@ class ResumeMode(Choice):
 
     def __bool__(self) -> bool:
         return self is not ResumeMode.false
-
-
-class SyncLoadFormat(Choice):
-    """How a bucket crosses the wire: SGLang's `load_format` of /update_weights_from_distributed and
-    /update_weights_from_tensor."""
-
-    per_tensor = "per_tensor"  # SGLang's null: one broadcast (or handle) per tensor
-    flattened_bucket = "flattened_bucket"  # one uint8 buffer per bucket: one collective per request
 
 
 class LoggerKind(Choice):
@@ -343,39 +309,6 @@ class DeviceKind(Choice):
     mi325x = "mi325x"
     h100 = "h100"
     h200 = "h200"
-
-
-class DeviceFamily(Choice):
-    """What SGLang's kernels see of a `DeviceKind` (`dsv4rl.quant.sglang_moe.DEVICE_FAMILY`): the same
-    family runs the same weight post-processing. unknown: cluster.device=cpu (the GPU is not named)."""
-
-    unknown = "unknown"
-    hopper = "hopper"  # sm90, CUDA: H100, H200
-    cdna3 = "cdna3"  # gfx942, ROCm, FP8 as e4m3fnuz: MI300X, MI325X
-    cdna4 = "cdna4"  # gfx950, ROCm, FP8 as e4m3fn: MI355X
-
-
-class ExpertLoad(Choice):
-    """How an SGLang engine gets its routed experts, from `quant` and its environment
-    (`dsv4rl.quant.sglang_moe.expert_load`)."""
-
-    unquantized = "unquantized"  # quant none/bf16: an unquantized checkpoint
-    fp8 = "fp8"  # FP8 experts as stored (an FP8-expert checkpoint, SGLANG_DSV4_FP4_EXPERTS=0)
-    fp4_dequant = "fp4_dequant"  # MXFP4 checkpoint converted to FP8 at load (SGLANG_DSV4_FP4_DEQUANT=1)
-    mxfp4 = "mxfp4"  # MXFP4 experts as stored (the released checkpoint, quant=fp8_mxfp4)
-
-
-class MoeRunnerBackend(Choice):
-    """SGLang 0.5.23's `--moe-runner-backend` values dsv4rl passes or names (its full list is
-    `sglang/srt/arg_groups/choices.py` MOE_RUNNER_BACKEND_CHOICES, pinned in the contract file)."""
-
-    auto = "auto"
-    triton = "triton"
-    aiter = "aiter"
-    deep_gemm = "deep_gemm"
-    flashinfer_mxfp4 = "flashinfer_mxfp4"
-    marlin = "marlin"
-    humming = "humming"
 
 
 # The layer kinds transformers' DeepseekV4Config accepts (recipes name them in model.tiny).

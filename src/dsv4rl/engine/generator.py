@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from dsv4rl.config.schema import PauseMode, choice
+from dsv4rl.config.choices import choice
+from dsv4rl.config.sglang_choices import PauseMode
 from dsv4rl.engine.capture import ChoiceCapture
 from dsv4rl.engine.sampling import SamplingParams, edit_logits, sample
 from dsv4rl.faults import heartbeat

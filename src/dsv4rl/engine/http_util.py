@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from dsv4rl.config.schema import PauseMode
+from dsv4rl.config.sglang_choices import PauseMode
 
 
 class BadRequest(Exception):

@@ -22,6 +22,7 @@ from dsv4rl.config.schema import ChatFormat, Config, EvalConfig
 from dsv4rl.data.chat_format import PromptRenderer, eval_chat_settings
 from dsv4rl.data.chat_response import ResponseParser, response_split_metrics, split_saved_response
 from dsv4rl.data.problems import Problem
+from dsv4rl.eval.data import eval_problems
 from dsv4rl.eval.scores import ProblemResult, problem_row, score_problems
 from dsv4rl.eval.tools import eval_multi_turn, final_texts, generate_with_tools, tool_report
 from dsv4rl.reward.graders import DEFAULT_MAX_ERROR_FRACTION, Graded, Grader, get_grader, grade_responses
@@ -35,6 +36,7 @@ __all__ = [
     "eval_grader",
     "evaluate_on_engines",
     "evaluate_responses",
+    "evaluate_saved",
     "write_report",
 ]
 
@@ -253,3 +255,23 @@ def write_report(report: dict[str, Any], directory: Path, name: str = REPORT_FIL
     partial.write_text(json.dumps(report, indent=2) + "\n")
     partial.replace(path)
     return path
+
+
+def evaluate_saved(cfg: Config, responses: Path, run_dir: Path) -> dict[str, Any]:
+    """`dsv4rl eval --responses FILE`: the eval set's saved generations graded, no engine started; the
+    report is written to `run_dir`."""
+    grader = eval_grader(cfg)
+    try:
+        report = evaluate_responses(
+            cfg.eval,
+            eval_problems(cfg),
+            responses,
+            grader,
+            cfg.reward.max_error_fraction,
+            eval_chat_settings(cfg).format,
+        )
+    finally:
+        getattr(grader, "close", lambda: None)()
+    report["weights"] = {"kind": "responses", "responses_file": str(responses.resolve())}
+    write_report(report, run_dir)
+    return report

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config, RolloutEngineKind
 
 SGLANG_VERSION = "0.5.23"  # the release dsv4rl's contract is pinned to (dsv4rl/engine/sglang_contract.json)
@@ -149,3 +150,13 @@ def check_engine_python(cfg: Config, nodes: list[int] | None = None) -> list[str
     if not node_runs_sglang(cfg, nodes):
         return []
     return interpreter_problems(probe_interpreter(engine_python(cfg)), trainer_torch())
+
+
+def require_engine_python(cfg: Config, nodes: list[int] | None = None, hint: str = "") -> None:
+    """Refuse a recipe whose SGLang interpreter cannot serve this run (missing, no sglang, another torch)."""
+    problems = check_engine_python(cfg, nodes)
+    if problems:
+        text = problems[0]
+        if len(problems) > 1:
+            text = "the SGLang interpreter cannot serve this run:\n" + "\n".join(f"  - {p}" for p in problems)
+        raise ConfigError(f"recipe {cfg.recipe!r}: {text}{hint}", problems)

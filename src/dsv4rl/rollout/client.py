@@ -26,7 +26,8 @@ from typing import Any
 import httpx
 import orjson
 
-from dsv4rl.config.schema import PauseMode, choice
+from dsv4rl.config.choices import choice
+from dsv4rl.config.sglang_choices import PauseMode
 from dsv4rl.faults import heartbeat
 
 RETRY_STATUSES = frozenset({502, 503, 504})

@@ -48,7 +48,9 @@ from typing import Any
 
 import torch
 
-from dsv4rl.config.schema import CommBackend, PauseMode, SyncConfig, SyncLoadFormat, SyncTransport, choice
+from dsv4rl.config.choices import choice
+from dsv4rl.config.schema import CommBackend, SyncConfig, SyncTransport
+from dsv4rl.config.sglang_choices import PauseMode, SyncLoadFormat
 from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.sync.errors import WeightSyncError, engine_name
 from dsv4rl.sync.loop_thread import LoopThread

@@ -71,7 +71,7 @@ class TrainBatch:
         length = max(2, max(len(s.prompt_ids) + len(s.response_ids) for s in samples))
         # Padded Python rows, then one tensor each: a tensor per row costs more than the rows' contents.
         ids, mask, rollout = [], [], []
-        for s in samples:
+        for i, s in enumerate(samples):
             p, r = len(s.prompt_ids), len(s.response_ids)
             after = length - p - r
             ids.append(s.prompt_ids + s.response_ids + [pad_id] * after)

@@ -24,8 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dsv4rl.algo.dapo import keep_informative_groups, overlong_penalty
-from dsv4rl.algo.grpo import group_advantages
+from dsv4rl.algo.families import compute_advantages, keep_groups, sampling_done, shape_rewards
 from dsv4rl.config.schema import Config, MemoryTag
 from dsv4rl.data.chat_format import PromptRenderer
 from dsv4rl.data.chat_response import ResponseParser, response_split_metrics
@@ -75,17 +74,6 @@ class Driver:
     renderer: PromptRenderer | None = None  # data.chat_format: problems -> the prompt ids sent
     parser: ResponseParser | None = None  # data.chat_format: responses -> reasoning and answer
     multi_turn: MultiTurn | None = None  # rollout.mode tools / env: trajectories with tool calls
-
-
-def shape_rewards(cfg: Config, samples: list[Sample], rewards: list[float]) -> torch.Tensor:
-    """The reward functions' weighted sum plus DAPO's soft overlong penalty when enabled."""
-    reward = torch.tensor(rewards, dtype=torch.float32)
-    if cfg.algo.overlong.enabled:
-        lengths = torch.tensor([len(sample.response_ids) for sample in samples])
-        overlong = cfg.algo.overlong
-        max_len = overlong.expected_len + overlong.buffer_len
-        reward = reward + overlong_penalty(lengths, max_len, overlong.buffer_len, overlong.penalty)
-    return reward
 
 
 def sync_metrics(stats: SyncStats | None) -> dict[str, float | str]:
@@ -305,28 +293,23 @@ class RLLoop:
             outcomes += round_.outcomes
             all_parts += round_.parts or []
             combined = combine(driver.rewards.specs, round_.outcomes)
-            rewards = shape_rewards(self.cfg, samples, combined.totals)
+            rewards = shape_rewards(algo, combined.totals, [len(s.response_ids) for s in samples])
             for sample, reward, scored in zip(samples, rewards.tolist(), combined.scored, strict=True):
                 sample.reward, sample.excluded = reward, not scored
-            if not algo.dynamic_sampling.enabled:
+            keep = keep_groups(algo, rewards, torch.tensor(combined.scored))  # None: dynamic sampling off
+            if keep is None:
                 kept = samples
                 break
-            # DAPO dynamic sampling: keep groups whose rewards differ, over-sample to refill the batch.
-            keep = keep_informative_groups(rewards, algo.group_size, torch.tensor(combined.scored))
-            kept += [s for s in samples if keep[s.group]]
+            kept += [s for s in samples if keep[s.group]]  # over-sample to refill the batch
             attempt += 1
-            if len(kept) >= wanted or attempt * len(
-                problems
-            ) >= algo.dynamic_sampling.max_oversample_factor * len(problems):
+            if sampling_done(algo, len(kept), wanted, attempt, len(problems)):
                 break
             problems = driver.stream.next_batch()
         step_rewards = driver.rewards.combine(outcomes)  # too many errors of one function stop the run here
         kept = self.fit_to_data_parallel(kept[:wanted] if len(kept) > wanted else kept)
         rewards = torch.tensor([s.reward for s in kept])
         scored = torch.tensor([not s.excluded for s in kept])
-        advantages = group_advantages(
-            rewards, algo.group_size, normalize_std=algo.normalize_std, scored=scored
-        )
+        advantages = compute_advantages(algo, rewards, scored)
         for sample, advantage in zip(kept, advantages.tolist(), strict=True):
             sample.advantage = advantage
         batch = TrainBatch.from_samples(kept, pad_id=driver.tokenizer.pad_token_id)
