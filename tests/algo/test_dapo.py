@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from dsv4rl.algo.dapo import keep_informative_groups, overlong_penalty
+from dsv4rl.algo.dapo import flat_group_fraction, keep_informative_groups, overlong_penalty
 from dsv4rl.algo.metrics import mismatch_metrics, pass_at_k
 
 
@@ -49,3 +49,12 @@ def test_informative_groups_count_scored_samples_only() -> None:
     scored = torch.tensor([True, False, True, True, True, False])
     assert keep_informative_groups(rewards, 3, scored).tolist() == [False, True]
     assert keep_informative_groups(rewards, 3).tolist() == [True, True]
+
+
+def test_flat_group_fraction_counts_groups_without_a_gradient():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 0.5, 2.0, 3.0])
+    assert flat_group_fraction(rewards, 2) == 0.25  # (0.5, 0.5) is flat
+    assert flat_group_fraction(torch.zeros(8), 4) == 1.0
+    scored = torch.tensor([True, False, True, True, True, True, True, True])
+    assert flat_group_fraction(rewards, 2, scored) == 0.5  # one scored sample: no spread, no gradient
+    assert flat_group_fraction(torch.zeros(0), 4) == 0.0

@@ -40,3 +40,10 @@ def keep_informative_groups(rewards: Tensor, group_size: int, scored: Tensor | N
     high = torch.where(mask, grouped, torch.full_like(grouped, -torch.inf)).amax(dim=1)
     low = torch.where(mask, grouped, torch.full_like(grouped, torch.inf)).amin(dim=1)
     return (mask.sum(dim=1) > 1) & (high != low)
+
+
+def flat_group_fraction(rewards: Tensor, group_size: int, scored: Tensor | None = None) -> float:
+    """The share of groups whose rewards are all equal (or with under two scored samples): groups that give
+    no gradient. TRL logs it as `frac_reward_zero_std`; near 1 the run is not learning."""
+    informative = keep_informative_groups(rewards, group_size, scored)
+    return 1.0 - float(informative.float().mean()) if informative.numel() else 0.0

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dsv4rl.algo.dapo import flat_group_fraction
 from dsv4rl.algo.families import compute_advantages, keep_groups, sampling_done, shape_rewards
 from dsv4rl.config.schema import Config, MemoryTag
 from dsv4rl.data.chat_format import PromptRenderer
@@ -33,6 +34,7 @@ from dsv4rl.data.stream import PromptStream
 from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.faults import heartbeat
 from dsv4rl.faults.failed_push import write_failed_push
+from dsv4rl.faults.notices import notify
 from dsv4rl.faults.stop import StopSignals, write_stopped
 from dsv4rl.metrics import MetricsWriter, StepTimer
 from dsv4rl.reward.combine import combine, grader_counts
@@ -49,6 +51,7 @@ from dsv4rl.trackers.hub import Trackers, open_trackers
 from dsv4rl.train.backend import TrainerBackend
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.checkpoint import checkpoint_dir, latest_checkpoint, load_newest
+from dsv4rl.train.learning_signal import FlatRewardWatch
 from dsv4rl.train.nonfinite import require_finite_weights
 from dsv4rl.train.preempt import BoundaryStop
 from dsv4rl.train.rewarding import generate_and_score
@@ -118,6 +121,7 @@ class RLLoop:
         self.writer: MetricsWriter | None = None
         self.trackers: Trackers | None = None  # rank 0: the recipe's `logger` trackers (dsv4rl.trackers)
         self.resumed_trackers: dict | None = None  # the tracker state the resumed checkpoint kept
+        self.flat_watch = FlatRewardWatch(cfg)  # rank 0: says when no group has given a gradient for a while
         self.syncs = 0  # weight syncs done by this process (the first one is always verified)
         self.stop = BoundaryStop(run_dir, self.rank, getattr(backend, "device", None), stop_signals)
         self.saved_step: int | None = None  # the step of the last checkpoint this process wrote
@@ -246,6 +250,9 @@ class RLLoop:
             self.writer.write(metrics)
             if self.trackers is not None:  # after metrics.jsonl; a tracker that fails is dropped
                 self.trackers.log_step(step, metrics)
+            flat = self.flat_watch.observe(metrics)
+            if flat is not None:
+                notify(flat, log)
 
     # -------------------------------------------------------- rank 0: rollout
     def rollout(self, step: int, timer: StepTimer) -> tuple[TrainBatch, dict[str, float]]:
@@ -321,6 +328,12 @@ class RLLoop:
             "reward_std": reward_tensor.std().item() if len(trained) > 1 else 0.0,
             "response_len_mean": float(np.mean(lengths)),  # multi-turn: the trajectory, inserted tokens too
             "truncated_fraction": sum(s.truncated for s in every) / len(every),
+            # groups with no gradient, over every group generated (dynamic sampling drops them later)
+            "reward/zero_std_fraction": flat_group_fraction(
+                torch.tensor([s.reward for s in every]),
+                algo.group_size,
+                torch.tensor([not s.excluded for s in every]),
+            ),
             "samples": len(every),
             "samples_trained": len(kept),
             **grader_counts(step_rewards.metrics, driver.rewards.specs),
