@@ -50,9 +50,10 @@ sglang-contract:
 test:
 	$(PY) -m pytest -q --durations=25
 
-# The inner loop: everything but the end-to-end runs and the other `slow` tests (a few minutes).
+# The inner loop: neither the end-to-end runs and the other `slow` tests nor the `sglang` group (SGLang's
+# interpreter starts per environment; `make test-sglang` runs that group, `make test` everything).
 test-fast:
-	$(PY) -m pytest -q -m "not slow" --durations=10
+	$(PY) -m pytest -q -m "not slow and not sglang" --durations=10
 
 # dsv4rl's output through SGLang 0.5.23's own code, in its interpreter (after `make install-sglang`)
 test-sglang:
