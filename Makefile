@@ -46,11 +46,14 @@ sglang-contract:
 	$(PY) -m pip download --no-deps --quiet -d build/sglang-wheel "$(SGLANG_SPEC)"
 	$(PY) -m dsv4rl.engine.sglang_contract build/sglang-wheel/sglang-*.whl
 
+# The whole suite, with its 25 slowest tests named at the end (CI's log keeps them).
 test:
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
+# The inner loop: neither the end-to-end runs and the other `slow` tests nor the `sglang` group (SGLang's
+# interpreter starts per environment; `make test-sglang` runs that group, `make test` everything).
 test-fast:
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not sglang" --durations=10
 
 # dsv4rl's output through SGLang 0.5.23's own code, in its interpreter (after `make install-sglang`)
 test-sglang:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,18 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import CLI, LEARNING_STEPS, NON_TIMING, SHORT_RUN, free_port, port_overrides, train
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dsv4rl.metrics import STEP_KEYS, read_metrics
 
 pytestmark = pytest.mark.slow
 
-CLI = [sys.executable, "-m", "dsv4rl.cli", "train"]
-NON_TIMING = ("reward_mean", "reward_std", "response_len_mean", "grad_norm", "entropy", "sync_bytes")
-# The learning runs take the recipe's 120 steps: its cosine decay reaches the floor at the last step, so a
-# shorter run also learns less (60 steps ended at a 10-step mean of 0.79 on 2 threads).
-LEARNING_STEPS = 120
-LEARN = f"train.steps={LEARNING_STEPS}"
+# the other end-to-end files import these from here
+__all__ = ["CLI", "NON_TIMING", "free_port", "port_overrides", "train"]
 # The variants (another backend, weight format, rollout mode) run 30 steps: their cosine decay over 30 steps
 # takes the fp32 FSDP run from a 0.05 mean reward over steps 1-5 to 0.29 over the last ten; a variant
 # that did not learn would stay near 0.05. The demo keeps the full curve.
@@ -44,53 +40,14 @@ def assert_learns_in_a_short_run(rewards: list[float]) -> None:
 ASYNC = ("algo.async_rollout=true", "algo.tis.enabled=true")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def port_overrides() -> list[str]:
-    return [
-        f"engine.port={free_port()}",
-        f"cluster.master_port={free_port()}",
-        f"cluster.weight_sync_port={free_port()}",
-    ]
-
-
-def train(
-    run_dir: Path, *overrides: str, timeout: float = 900, recipe: str = "tiny_arith"
-) -> subprocess.CompletedProcess:
-    argv = [
-        *CLI,
-        f"recipe={recipe}",
-        f"run.dir={run_dir}",
-        "run.progress=false",
-        *port_overrides(),
-        *overrides,
-    ]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
-    return result
-
-
 def model_weights(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     flat = tmp_path / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
     dcp_to_torch_save(str(checkpoint), str(flat))
     return torch.load(flat, weights_only=False)["model"]
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> Path:
-    """The README's demo: `dsv4rl train recipe=tiny_arith` with the recipe as shipped."""
-    run_dir = tmp_path_factory.mktemp("demo") / "run"
-    train(run_dir, LEARN)
-    return run_dir
-
-
-def test_tiny_arith_learns(demo_run: Path) -> None:
-    metrics = read_metrics(demo_run / "metrics.jsonl")
+def test_tiny_arith_learns(trained_arith: Path) -> None:
+    metrics = read_metrics(trained_arith / "metrics.jsonl")
     rewards = [line["reward_mean"] for line in metrics]
     assert [line["step"] for line in metrics] == list(range(1, LEARNING_STEPS + 1))
     assert all(key in line for line in metrics for key in STEP_KEYS)
@@ -110,15 +67,15 @@ def test_tiny_arith_learns(demo_run: Path) -> None:
     assert [line["step"] for line in evals] == list(range(20, LEARNING_STEPS + 1, 20))
     assert evals[-1]["eval/pass@1"] >= 0.7 and evals[-1]["eval/pass@1"] > evals[0]["eval/pass@1"]
     assert all(line["eval/pass@8"] >= line["eval/pass@1"] for line in evals)
-    assert (demo_run / "eval" / f"step_{LEARNING_STEPS:08d}.json").is_file()
+    assert (trained_arith / "eval" / f"step_{LEARNING_STEPS:08d}.json").is_file()
 
 
-def test_report_of_the_demo_run(demo_run: Path) -> None:
+def test_report_of_the_demo_run(trained_arith: Path) -> None:
     """`dsv4rl report` on the demo's run dir: every plot, eval scores included, and the summary."""
-    argv = [sys.executable, "-m", "dsv4rl.cli", "report", str(demo_run)]
+    argv = [sys.executable, "-m", "dsv4rl.cli", "report", str(trained_arith)]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    out = demo_run / "report"
+    out = trained_arith / "report"
     names = ("reward", "response_length", "logprob_diff", "kl_entropy", "step_time", "sync", "eval")
     for name in names:
         png = (out / f"{name}.png").read_bytes()
@@ -176,25 +133,28 @@ def test_released_weight_format_with_async_rollouts_learns(tmp_path: Path) -> No
     assert all(seconds > 0 for seconds in overlapped)  # the next rollout ran while each step trained
 
 
-def test_same_seed_same_curve(tmp_path: Path) -> None:
-    """Two runs with the same seed give the same rewards, gradients and entropies, step by step."""
-    runs = [tmp_path / "first", tmp_path / "second"]
-    for run_dir in runs:
-        train(run_dir, "train.steps=8")
-    first, second = (read_metrics(run_dir / "metrics.jsonl") for run_dir in runs)
-    assert len(first) == len(second) == 8
+def test_same_seed_same_curve(short_arith: Path, tmp_path: Path) -> None:
+    """Two runs with the same seed give the same rewards, gradients and entropies, step by step (the second
+    is the session's short run)."""
+    train(tmp_path / "again", *SHORT_RUN)
+    first, second = (read_metrics(run_dir / "metrics.jsonl") for run_dir in (tmp_path / "again", short_arith))
+    assert len(first) == len(second) == 6
     for ours, theirs in zip(first, second, strict=True):
         assert {key: ours[key] for key in NON_TIMING} == {key: theirs[key] for key in NON_TIMING}
     assert len({line["reward_mean"] for line in first}) > 1  # a curve, not a constant
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_resume_reaches_the_same_weights(tmp_path: Path, mode: str) -> None:
-    """Stop a run (Ctrl-C) once it has a checkpoint, resume it, compare with an uninterrupted run. Async: the
-    batch generated before the stop (part of the checkpoint) is the one the resumed run trains first."""
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    settings = ("train.steps=6", "train.checkpoint_every=2", *(ASYNC if mode == "async" else ()))
-    train(straight, *settings)
+def test_resume_reaches_the_same_weights(short_arith: Path, tmp_path: Path, mode: str) -> None:
+    """Stop a run (Ctrl-C) once it has a checkpoint, resume it, compare with an uninterrupted run (sync: the
+    session's short run). Async: the batch generated before the stop (part of the checkpoint) is the one the
+    resumed run trains first."""
+    stopped = tmp_path / "stopped"
+    if mode == "async":
+        straight, settings = tmp_path / "straight", ("train.steps=6", "train.checkpoint_every=2", *ASYNC)
+        train(straight, *settings)
+    else:
+        straight, settings = short_arith, SHORT_RUN
 
     argv = [*CLI, "recipe=tiny_arith", f"run.dir={stopped}", "run.progress=false", *settings]
     process = subprocess.Popen(

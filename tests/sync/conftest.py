@@ -56,19 +56,22 @@ def running_engines(root: Path, quants: list[QuantMode], extra_args: list[str] =
                 process.wait(timeout=15)
 
 
-@pytest.fixture(scope="module")
+# The engines serve the whole session (test_stages, test_verify and test_weight_sync share them): starting
+# them costs seconds each, a test costs less. A test never relies on what an earlier one left: each pushes a
+# model of its own seed and compares with that, or with the weights it read from the engine first.
+@pytest.fixture(scope="session")
 def engine_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     """Two engines serving the unquantized (quant=none) tiny model."""
     with running_engines(tmp_path_factory.mktemp("sync_engine"), [QuantMode.none] * ENGINES) as urls:
         yield urls
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engine_url(engine_urls: list[str]) -> str:
     return engine_urls[0]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def quantized_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[QuantMode, str]]:
     """One engine per quant mode, each started from a checkpoint in that format."""
     modes = list(QuantMode)
