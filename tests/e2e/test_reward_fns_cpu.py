@@ -194,3 +194,16 @@ def test_judge_example(tmp_path: Path) -> None:
         assert judged + line["reward/judge/errors"] == 512 and judged > 0
         assert 0.0 <= line["reward/judge/score"] <= 0.9 and line["reward/correct/scored"] == 512
         assert line["reward/judge/timeouts"] == 0
+
+
+def test_a_constant_reward_is_called_out_as_not_learning_within_ten_steps(tmp_path: Path) -> None:
+    """Every group flat (a reward that never varies): the console names it by step 5, once, with causes."""
+    run = tmp_path / "run"
+    fns = f"[{{name: same, target: {USER}:constant, kwargs: {{value: 0.0}}}}]"
+    small = ("algo.prompts_per_step=4", "algo.group_size=4", "train.steps=6")
+    result = train(run, f"reward.fns={fns}", *small, *SHORT)
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [m["reward/zero_std_fraction"] for m in metrics] == [1.0] * 6
+    said = "not learning: every group's rewards have been equal for 5 steps (to step 5;"
+    assert result.stdout.count(said) == 1, result.stdout
+    assert "every response scores 0: check the reward functions" in result.stdout

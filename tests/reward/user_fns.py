@@ -29,6 +29,11 @@ def raises(sample: RewardInput, every: int = 2) -> float:
     return 0.5
 
 
+def constant(sample: RewardInput, value: float = 0.0) -> float:
+    """The same reward for every response: no group ever has a gradient."""
+    return value
+
+
 def nothing(sample: RewardInput) -> None:
     return None
 
