@@ -188,19 +188,30 @@ def run_dir_paths(command: str) -> list[str]:
     return [word for word in shlex.split(command) if word.startswith(("runs/", "exports/"))]
 
 
+def all_blocks(root: Path = ROOT) -> list[list[Command]]:
+    """The blocks the test runs, README.md's first, then each docs page's quick start."""
+    return [block for page in PAGES for block in page_commands(page, root)]
+
+
 def script(page_blocks: list[list[Command]]) -> str:
-    """One bash script running a page's commands in order, stopping at the first that fails."""
+    """One bash script running the commands in order, stopping at the first that fails. A command run
+    word for word before (a docs quick start repeating the README) is not run again: its run dirs exist."""
     lines = ["pids=()", 'fail() { echo "DOCTEST FAILED: $1" >&2; exit 1; }']
+    ran: dict[str, str] = {}
     for block in page_blocks:
         for cmd in block:
             where = f"{cmd.page}:{cmd.line}"
+            if cmd.run and cmd.text in ran:
+                lines.append(f"echo {shlex.quote(f'+ {where} ran above at {ran[cmd.text]}: {cmd.text}')}")
+                continue
+            ran.setdefault(cmd.text, where)
             if cmd.not_run:
                 lines.append(f"echo {shlex.quote(f'+ {where} not run ({cmd.not_run}): {cmd.text}')}")
                 for path in run_dir_paths(cmd.text):
                     check = f"{where}: {path} does not exist for: {cmd.text}"
                     lines.append(f"compgen -G {shlex.quote(path)} >/dev/null || fail {shlex.quote(check)}")
                 continue
-            lines.append(f"echo {shlex.quote(f'+ {where}: {cmd.run}')}")
+            lines.append(f'echo "+ [$SECONDS s] "{shlex.quote(f"{where}: {cmd.run}")}')
             lines.append(cmd.run)
             if cmd.run.endswith("&"):
                 lines.append("pids+=($!)")
@@ -211,5 +222,5 @@ def script(page_blocks: list[list[Command]]) -> str:
             lines.append(f"rc=$?; {check}")
         lines.append('for pid in "${pids[@]}"; do wait "$pid" || fail "a background command exited $?"; done')
         lines.append("pids=()")
-    lines.append("echo DOCTEST PASSED")
+    lines.append('echo "DOCTEST PASSED in $SECONDS s"')
     return "\n".join(lines) + "\n"
