@@ -4,14 +4,16 @@ README test (tests/docs/test_readme.py) changes in them before it runs them.
 A page's ```bash blocks are read in order; a line ending in `\\` joins the next. Each command is then run as
 written, with these changes, every one stated in the README's "The README is a test" paragraph:
 
-- training, eval and align runs of the tiny recipes are shortened: `SHORT[...]` appended, a key the line
-  sets itself kept (`algo.group_size=8` stays 8), and given free ports (`PORTS`); `--step N` of
+- training and align runs of the tiny recipes are shortened (`SHORT[...]` appended, a key the line sets
+  itself kept: `algo.group_size=8` stays 8), these and eval runs get free ports (`PORTS`); `--step N` of
   `dsv4rl rollouts` reads the last shortened step; placeholders (`/path/to/data`) name real things;
 - a command that needs a cluster is checked as `dsv4rl plan` with the same overrides (`AS_PLAN`), and a
   plan of a cluster recipe skips the SGLang interpreter check, which fails on any machine that is not a
   GPU node (`--skip-engine-check`, as the README says for such machines);
 - a command that needs a GPU, a cluster, an account or a UI, or that CI already runs, is not run
-  (`NOT_RUN`, each with its reason); the run-dir paths it names must exist.
+  (`NOT_RUN`, each with its reason); the run-dir paths it names must exist;
+- `dsv4rl doctor` may exit 1: its verdict on a FAIL row of this host (the README: "Exit code 1 on any
+  FAIL"), not the command failing.
 
 Every rule must match some line (a rule nothing matches fails the fast test), so the rules cannot outlive
 the text they change."""
@@ -47,11 +49,11 @@ NOT_RUN: tuple[tuple[str, str], ...] = (
     ("make install", "CI installs with it before the tests; the test's clone uses the tests' environment"),
     ("make test", "CI runs it, and this test is part of it"),
     ("make lint", "CI runs it"),
-    ("make bench", "a benchmark of minutes; tests/test_bench.py runs the benches small"),
-    ("python bench/", "a benchmark of minutes; tests/test_bench.py runs the benches small"),
+    ("make bench", "a benchmark of minutes; tests/test_bench.py runs the benches --quick"),
+    ("python bench/", "a benchmark of minutes; tests/test_bench.py runs the benches --quick"),
     ("tensorboard ", "a web UI that serves until stopped; the test checks that its log directory exists"),
     ("wandb sync ", "uploads to a W&B account over the network; the test checks that the offline run exists"),
-    ("python -m sglang.launch_server", "serving needs SGLang on a GPU; tests/sglang_side loads the export"),
+    ("python -m sglang.launch_server", "serving needs SGLang on a GPU; the sglang tests read every export"),
     ("sbatch ", "a Slurm cluster"),
     ("RECIPE=dapo_math_h200 sbatch ", "a Slurm cluster"),
 )
@@ -60,9 +62,6 @@ AS_PLAN: tuple[str, ...] = ("dsv4rl doctor recipe=dapo_math", "dsv4rl align reci
 # a plan of a cluster recipe (SGLang engines) on a machine that is not a GPU node: that recipe itself, not
 # dapo_math_tir, whose plan runs no engine check
 SKIP_ENGINE_CHECK = ("dsv4rl plan recipe=dapo_math",)
-# `dsv4rl doctor` exits 1 when a row of this host FAILs (the README: "Exit code 1 on any FAIL"): its verdict
-# on the machine, not the command failing
-DOCTOR_VERDICT = "dsv4rl doctor"
 
 _COMMAND = re.compile(r"(?:^|\s)(?:\S*/)?dsv4rl (\w+)")
 _STEP = re.compile(r"--step \d+")
@@ -195,7 +194,7 @@ def all_blocks(root: Path = ROOT) -> list[list[Command]]:
 
 def script(page_blocks: list[list[Command]]) -> str:
     """One bash script running the commands in order, stopping at the first that fails. A command run
-    word for word before (a docs quick start repeating the README) is not run again: its run dirs exist."""
+    word for word before (a docs quick start repeating the README, the README itself) is not run again."""
     lines = ["pids=()", 'fail() { echo "DOCTEST FAILED: $1" >&2; exit 1; }']
     ran: dict[str, str] = {}
     for block in page_blocks:
