@@ -148,3 +148,25 @@ def test_the_readme_and_the_quick_starts_run_as_written(tmp_path: Path) -> None:
     assert result.returncode == 0 and "DOCTEST PASSED" in result.stdout, tail
     print("\n".join(line for line in output.splitlines() if line.startswith("+ ")))  # each command's start
     print(f"all pages: {time.monotonic() - started:.0f} s")
+
+
+def test_a_command_that_fails_as_written_fails_the_script(tmp_path: Path) -> None:
+    """The script stops at the first failing command, naming its line; a not-run command's missing run dir
+    fails it too; a background command that fails is caught at its block's end."""
+    cases = {
+        "ls runs/nowhere": "README.md:7: ls runs/nowhere",
+        "tensorboard --logdir runs/nowhere/tb": "README.md:7: runs/nowhere/tb does not exist",
+        "false &": "a background command exited 1",
+    }
+    for command, named in cases.items():
+        result = subprocess.run(
+            ["bash", "-c", script([[classify("README.md", 7, command)]])],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 1 and named in result.stderr, (command, result.stderr)
+    ok = subprocess.run(
+        ["bash", "-c", script([[classify("README.md", 7, "true")]])], capture_output=True, text=True
+    )
+    assert ok.returncode == 0 and "DOCTEST PASSED" in ok.stdout
