@@ -32,7 +32,7 @@ from dsv4rl.reward.scorers import BuiltinScorer
 from dsv4rl.reward.step_limits import StepWatch
 from dsv4rl.reward.targets import parse_target
 from dsv4rl.reward.verify_pool import TIMED_OUT
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.train import rewarding
 from dsv4rl.train.loop import RLLoop
 from marked_processes import running_with

@@ -28,7 +28,7 @@ from dsv4rl.rollout.env import EnvReset, EnvStep
 from dsv4rl.rollout.tool_failures import FailureLog, StepFailures, ToolFailure, ToolFailureError
 from dsv4rl.rollout.trajectory import TrajectoryRunner, trajectory_metrics
 from dsv4rl.rollout.turn_format import PLAIN_RESULT, PlainFormat
-from dsv4rl.rollout.types import Trajectory
+from dsv4rl.samples import Trajectory
 from dsv4rl.tools.base import ToolResult
 from dsv4rl.train.rollout_records import rollout_records
 

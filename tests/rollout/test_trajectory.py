@@ -25,7 +25,7 @@ from dsv4rl.rollout.trajectory import (
     trajectory_metrics,
 )
 from dsv4rl.rollout.turn_format import PLAIN_CALL, PLAIN_NAME_END, PLAIN_RESULT, PlainFormat
-from dsv4rl.rollout.types import Sample, Trajectory, TurnRecord
+from dsv4rl.samples import Sample, Trajectory, TurnRecord
 from dsv4rl.tools.base import FunctionTool, ToolResult
 from dsv4rl.wire.choices import encode_int32
 

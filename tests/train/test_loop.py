@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from dsv4rl.config.schema import Config
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.train.loop import shape_rewards
 
 

@@ -34,7 +34,7 @@ from dsv4rl.launcher.plan import (
 )
 from dsv4rl.launcher.run_lock import RunDirInUse, RunLock, unwritable
 from dsv4rl.launcher.supervisor import Supervisor
-from dsv4rl.rollout.engine_keys import EngineKeysError, engines_need_keys, ensure_engine_keys_file
+from dsv4rl.engine_client.engine_keys import EngineKeysError, engines_need_keys, ensure_engine_keys_file
 
 
 def write_config(cfg: Config, run_dir: Path) -> Path:

@@ -54,7 +54,7 @@ from dsv4rl.launcher.procs import Tracker, child_preexec
 from dsv4rl.launcher.progress import MetricsTail, RunProgress
 from dsv4rl.launcher.reachability import unreachable_engines
 from dsv4rl.launcher.watchdog import Hang, describe, find_hang
-from dsv4rl.rollout.client import EngineClient
+from dsv4rl.engine_client.client import EngineClient
 
 INTERRUPTED = 130
 STOPPED = "stopped"  # the DONE marker's and the summary's status of a graceful stop

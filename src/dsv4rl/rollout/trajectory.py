@@ -41,7 +41,7 @@ from dsv4rl.rollout.env import EnvReset, EnvStep, ToolEnv
 from dsv4rl.rollout.generate import sample_seed, sampling_params
 from dsv4rl.rollout.tool_failures import ENV_NAME, FailureLog, StepFailures, ToolFailure
 from dsv4rl.rollout.turn_format import AssistantTurn, TurnFormat
-from dsv4rl.rollout.types import Sample, Trajectory, TurnRecord
+from dsv4rl.samples import Sample, Trajectory, TurnRecord
 from dsv4rl.wire.choices import decode_rows
 from dsv4rl.wire.engine_api import EngineAPI
 from dsv4rl.wire.seed import mix_seed

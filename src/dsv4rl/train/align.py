@@ -27,7 +27,7 @@ from dsv4rl.config.schema import Config, SamplingConfig
 from dsv4rl.data.datasets import problem_source
 from dsv4rl.data.stream import PromptStream
 from dsv4rl.rollout.generate import generate_samples, rollout_seed
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.sync.weight_sync import SyncStats
 from dsv4rl.train.backend import TrainerBackend

@@ -5,7 +5,7 @@ and writes metrics. The other ranks receive each step's batch from rank 0 and tr
 shard; with pipeline stages, each stage's source rank sends its own stage's weights. Nothing here
 knows which trainer backend or which rollout engine is behind the seams.
 
-Colocated (`parallel.colocate`), the engines' memory moves around training (`dsv4rl.rollout.colocated`):
+Colocated (`parallel.colocate`), the engines' memory moves around training (`dsv4rl.engine_client.colocated`):
 rollout -> release -> train -> resume weights -> push by tensor handles -> resume KV cache -> next step.
 """
 
@@ -38,11 +38,11 @@ from dsv4rl.faults.stop import StopSignals, write_stopped
 from dsv4rl.metrics import MetricsWriter, StepTimer
 from dsv4rl.reward.combine import combine, grader_counts
 from dsv4rl.reward.rewarder import RewardSet
-from dsv4rl.rollout.client import EngineClient
-from dsv4rl.rollout.colocated import KV_AND_GRAPHS, ColocatedEngines
+from dsv4rl.engine_client.client import EngineClient
+from dsv4rl.engine_client.colocated import KV_AND_GRAPHS, ColocatedEngines
 from dsv4rl.rollout.multi_turn import MultiTurn
 from dsv4rl.rollout.trajectory import trajectory_metrics
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.sync.verify import SyncVerifier
 from dsv4rl.sync.weight_sync import SyncStats, WeightSyncError

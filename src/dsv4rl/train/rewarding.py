@@ -27,7 +27,7 @@ from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.rollout.choices import ChoiceRequest
 from dsv4rl.rollout.generate import generate_samples, rollout_seed
 from dsv4rl.rollout.trajectory import final_turn_text, generate_trajectories
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 
 # /generate calls per engine when scoring overlaps generation: groups come back in this many waves
 OVERLAP_CALLS_PER_ENGINE = 8

@@ -37,9 +37,9 @@ from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.quant.sglang_env import engine_env
 from dsv4rl.quant.sglang_moe import recipe_moe_path, restart_reason
 from dsv4rl.reward.rewarder import RewardSet
-from dsv4rl.rollout.client import EngineClient
-from dsv4rl.rollout.colocated import ColocatedEngines
-from dsv4rl.rollout.engines import engine_clients, freeze_engines_gc, wait_for_engines
+from dsv4rl.engine_client.client import EngineClient
+from dsv4rl.engine_client.colocated import ColocatedEngines
+from dsv4rl.engine_client.engines import engine_clients, freeze_engines_gc, wait_for_engines
 from dsv4rl.rollout.multi_turn import build_multi_turn
 from dsv4rl.sync.served_format import check_served_formats
 from dsv4rl.sync.served_model import check_served_models
