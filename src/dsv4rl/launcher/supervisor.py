@@ -42,6 +42,7 @@ from rich.panel import Panel
 from rich.text import Text
 
 from dsv4rl.config.schema import ProcessRole
+from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT, FailedPushRecord
 from dsv4rl.faults.heartbeat import START
 from dsv4rl.faults.proc_tree import become_subreaper
@@ -54,7 +55,6 @@ from dsv4rl.launcher.procs import Tracker, child_preexec
 from dsv4rl.launcher.progress import MetricsTail, RunProgress
 from dsv4rl.launcher.reachability import unreachable_engines
 from dsv4rl.launcher.watchdog import Hang, describe, find_hang
-from dsv4rl.engine_client.client import EngineClient
 
 INTERRUPTED = 130
 STOPPED = "stopped"  # the DONE marker's and the summary's status of a graceful stop

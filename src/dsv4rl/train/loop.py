@@ -31,6 +31,8 @@ from dsv4rl.data.chat_format import PromptRenderer
 from dsv4rl.data.chat_response import ResponseParser, response_split_metrics
 from dsv4rl.data.problems import Problem
 from dsv4rl.data.stream import PromptStream
+from dsv4rl.engine_client.client import EngineClient
+from dsv4rl.engine_client.colocated import KV_AND_GRAPHS, ColocatedEngines
 from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.faults import heartbeat
 from dsv4rl.faults.failed_push import write_failed_push
@@ -38,8 +40,6 @@ from dsv4rl.faults.stop import StopSignals, write_stopped
 from dsv4rl.metrics import MetricsWriter, StepTimer
 from dsv4rl.reward.combine import combine, grader_counts
 from dsv4rl.reward.rewarder import RewardSet
-from dsv4rl.engine_client.client import EngineClient
-from dsv4rl.engine_client.colocated import KV_AND_GRAPHS, ColocatedEngines
 from dsv4rl.rollout.multi_turn import MultiTurn
 from dsv4rl.rollout.trajectory import trajectory_metrics
 from dsv4rl.samples import Sample
