@@ -86,11 +86,9 @@ def measure_overlap(repeats: int, log_dir: Path, calls: int | None = None) -> di
             )
             generate_s = time.perf_counter() - started
             started = time.perf_counter()
-            for s in samples:
+            for index, s in enumerate(samples):
                 slow_score(
-                    RewardInput(
-                        prompt="", response=s.response_text, answer=s.response_text, ground_truth=s.answer
-                    )
+                    RewardInput.from_sample(s, problems[s.group], step=0, index=index, answer=s.response_text)
                 )
             serial_s = time.perf_counter() - started
             started = time.perf_counter()

@@ -45,7 +45,7 @@ from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.train.align import align_samples, worst_tokens
 from dsv4rl.train.backend import TrainerBackend
 from dsv4rl.train.batch import TrainBatch
-from dsv4rl.train.loop import Driver
+from dsv4rl.train.driver import Driver
 
 log = logging.getLogger("dsv4rl.align")
 

@@ -28,6 +28,7 @@ from dsv4rl.rollout.choices import ChoiceRequest
 from dsv4rl.rollout.generate import generate_samples, rollout_seed
 from dsv4rl.rollout.trajectory import final_turn_text, generate_trajectories
 from dsv4rl.samples import Sample
+from dsv4rl.train.driver import Driver
 
 # /generate calls per engine when scoring overlaps generation: groups come back in this many waves
 OVERLAP_CALLS_PER_ENGINE = 8
@@ -40,38 +41,25 @@ def reward_inputs(
     problem: Problem,
     samples: Sequence[Sample],
     parts: Sequence[ResponseParts] | None,
+    final_texts: Sequence[str],
     step: int,
     first_index: int,
     chat: bool,
-    final_texts: Sequence[str] = (),
 ) -> list[RewardInput]:
     """The `RewardInput`s of one prompt's samples (`first_index`: the first one's index in the step;
-    `final_texts`: each multi-turn sample's last turn as text, its answer without a chat format)."""
+    `final_texts`: each sample's last turn as text, its answer without a chat format)."""
     out = []
-    for offset, sample in enumerate(samples):
+    for offset, (sample, final) in enumerate(zip(samples, final_texts, strict=True)):
         part = parts[offset] if parts is not None else None
-        trajectory = sample.trajectory
-        whole = sample.response_text if trajectory is None else final_texts[offset]
         out.append(
-            RewardInput(
-                prompt=problem.prompt,
-                response=sample.response_text,
-                answer=part.answer if part is not None else whole,
-                reasoning=part.reasoning if part is not None else "",
-                ground_truth=problem.answer,
-                metadata=dict(problem.metadata),
-                messages=user_messages(problem.prompt) if chat else None,
-                prompt_ids=list(sample.prompt_ids),
-                response_ids=list(sample.response_ids),
-                finish_reason=sample.finish_reason,
+            RewardInput.from_sample(
+                sample,
+                problem,
                 step=step,
                 index=first_index + offset,
-                group=sample.group,
-                problem_id=problem.id,
-                conversation=None if trajectory is None else list(trajectory.messages),
-                turns=1 if trajectory is None else len(trajectory.turns),
-                tool_calls=0 if trajectory is None else trajectory.tool_calls,
-                tool_rewards=[] if trajectory is None else trajectory.tool_rewards,
+                answer=part.answer if part is not None else final,
+                reasoning=part.reasoning if part is not None else "",
+                messages=user_messages(problem.prompt) if chat else None,
             )
         )
     return out
@@ -98,7 +86,7 @@ class Round:
 
 async def generate_and_score(
     cfg: Config,
-    driver,  # noqa: ANN001  (dsv4rl.train.loop.Driver: the loop imports this module)
+    driver: Driver,
     problems: Sequence[Problem],
     step: int,
     attempt: int,
@@ -131,7 +119,7 @@ async def generate_and_score(
         )
         parts[group] = split
         inputs = reward_inputs(
-            problems[group], samples, split, step, first_index + group * len(samples), chat, finals
+            problems[group], samples, split, finals, step, first_index + group * len(samples), chat
         )
         tasks[group] = asyncio.ensure_future(rewards.score_group(inputs))
         tasks[group].add_done_callback(on_scored)

@@ -50,7 +50,8 @@ from dsv4rl.topology import sync_transport, weight_sync_sources
 from dsv4rl.train.align import run_align
 from dsv4rl.train.attribute import run_attribution
 from dsv4rl.train.backend import TrainerBackend, build_backend
-from dsv4rl.train.loop import Driver, RLLoop
+from dsv4rl.train.driver import Driver
+from dsv4rl.train.loop import RLLoop
 
 log = logging.getLogger("dsv4rl.train")
 
