@@ -69,6 +69,16 @@ class AssistantTurn:
         return out
 
 
+class AssistantMessage(dict):
+    """An assistant turn as the message an environment's `step` receives (`AssistantTurn.message`), with
+    the turn as the rollout parsed it (`turn`): what the message cannot show (a malformed call's error, a
+    call block that could not be read) stays there for the built-in tool environment."""
+
+    def __init__(self, turn: AssistantTurn):
+        super().__init__(turn.message())
+        self.turn = turn
+
+
 class TurnFormat(Protocol):
     stop_ids: list[int]  # tokens besides EOS that end a turn (the plain call marker)
 
