@@ -58,7 +58,7 @@ def test_tool_env_marks_a_plain_messages_malformed_calls_without_running_them():
     errors = [m["content"] for m in answered.messages]
     assert errors[0].startswith("error: unknown tool 'nope'")
     assert errors[1].startswith("error: the arguments are not valid JSON")
-    assert errors[2].startswith("error: the arguments are not a JSON object")
+    assert errors[2].startswith("error: arguments must be a JSON object, got list")  # the schema check
     assert all(record["malformed"] for record in answered.calls) and answered.runs == []
     assert state.counts.parse_errors == 3
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -163,7 +162,9 @@ class ToolEnv:
         the turn as it was parsed (`AssistantMessage`); a plain message's calls are read from `tool_calls`.
         A turn with calls on the last of `max_turns` ends the trajectory with them unrun (no turn is left
         to read their results)."""
-        turn = getattr(assistant_message, "turn", None) or self.read_turn(assistant_message)
+        turn = getattr(assistant_message, "turn", None) or AssistantTurn.from_message(
+            assistant_message, list(self.tools)
+        )
         state.turns += 1
         if turn.calls and state.turns >= self.cfg.max_turns:
             return EnvStep(done=True, finish="max_turns")
@@ -221,33 +222,6 @@ class ToolEnv:
                 metrics[key] = metrics.get(key, 0.0) + float(value)
         rewarded = sum(rewards) if rewards else None
         return EnvStep(messages, rewarded, done, metrics, "stop", records, runs)
-
-    def read_turn(self, message: dict[str, Any]) -> AssistantTurn:
-        """An OpenAI-style assistant message as a turn: its calls with their arguments parsed (JSON text or
-        an object), a call of an unknown tool or with unreadable arguments marked malformed."""
-        calls = []
-        for index, entry in enumerate(message.get("tool_calls") or []):
-            function = entry.get("function") or {}
-            name, arguments = str(function.get("name") or ""), function.get("arguments") or ""
-            if not isinstance(arguments, str):
-                arguments = json.dumps(arguments)
-            call = ParsedCall(str(entry.get("id") or f"call_{index}"), name, arguments)
-            calls.append(call)
-            if name not in self.tools:
-                call.error = f"unknown tool {name!r}; tools: {', '.join(self.tools)}"
-                continue
-            try:
-                args = json.loads(arguments) if arguments.strip() else {}
-            except ValueError as error:
-                call.error = f"the arguments are not valid JSON ({error}): {arguments[:200]!r}"
-                continue
-            if isinstance(args, dict):
-                call.args = args
-            else:
-                call.error = f"the arguments are not a JSON object: {arguments[:200]!r}"
-        content = str(message.get("content") or "")
-        reasoning = str(message.get("reasoning_content") or "")
-        return AssistantTurn(ids=[], text=content, content=content, reasoning=reasoning, calls=calls)
 
     async def _run(
         self, state: ToolState, call: ParsedCall, limit: asyncio.Semaphore
