@@ -106,7 +106,7 @@ def measure_train(model_dir: str, cfg: Any, requests: list[tuple], repeats: int)
     from dsv4rl.algo.grpo import token_logprobs
     from dsv4rl.algo.loss import micro_batch_loss
     from dsv4rl.model.native_checkpoint import load_native_model
-    from dsv4rl.rollout.types import Sample
+    from dsv4rl.samples import Sample
     from dsv4rl.train.batch import TrainBatch
 
     model = load_native_model(model_dir, dtype=torch.float32).eval()

@@ -173,8 +173,8 @@ def measure_push(
     wire_mode: str | None = None,
 ) -> dict[str, Any]:
     from dsv4rl.config.schema import SyncConfig
+    from dsv4rl.engine_client.client import EngineClient
     from dsv4rl.model.wire_format import WireFormat
-    from dsv4rl.rollout.client import EngineClient
     from dsv4rl.sync.weight_sync import WeightSync
 
     cfg = SyncConfig(bucket_bytes=bucket_bytes, timeout_s=timeout_s)

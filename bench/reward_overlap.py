@@ -44,11 +44,11 @@ def measure_overlap(repeats: int, log_dir: Path, calls: int | None = None) -> di
     from dsv4rl.config.compose import compose
     from dsv4rl.data.chat_format import ChatSettings, PromptRenderer
     from dsv4rl.data.stream import build_prompt_stream
+    from dsv4rl.engine_client.client import EngineClient
     from dsv4rl.model.model_dir import materialize_model
     from dsv4rl.model.tiny import run_tokenizer
     from dsv4rl.reward.inputs import RewardInput
     from dsv4rl.reward.rewarder import RewardSet
-    from dsv4rl.rollout.client import EngineClient
     from dsv4rl.rollout.generate import generate_samples
     from dsv4rl.train.rewarding import OVERLAP_CALLS_PER_ENGINE, generate_and_score
 
@@ -86,11 +86,9 @@ def measure_overlap(repeats: int, log_dir: Path, calls: int | None = None) -> di
             )
             generate_s = time.perf_counter() - started
             started = time.perf_counter()
-            for s in samples:
+            for index, s in enumerate(samples):
                 slow_score(
-                    RewardInput(
-                        prompt="", response=s.response_text, answer=s.response_text, ground_truth=s.answer
-                    )
+                    RewardInput.from_sample(s, problems[s.group], step=0, index=index, answer=s.response_text)
                 )
             serial_s = time.perf_counter() - started
             started = time.perf_counter()

@@ -49,7 +49,7 @@ async def run_tests(sample: RewardInput) -> dict:
     """`score`: the share of `metadata["tests"]` that pass; `compiled`: 1.0 when the program ran."""
     tests = list(sample.metadata["tests"])
     source = program(sample, sample.metadata["entry_point"]) + RUNNER.format(tests=tests)
-    state = await SANDBOX.open(sample)
+    state = await SANDBOX.open(None)  # the sandbox keeps no state of the data row
     try:
         result = await SANDBOX.call(state, {"code": source})
     finally:

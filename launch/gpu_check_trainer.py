@@ -35,7 +35,7 @@ from dsv4rl.algo.grpo import token_logprobs
 from dsv4rl.config.schema import Config, Dtype, TrainBackend
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.native_checkpoint import load_native_model
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.train.backend import build_backend
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.checkpoint import checkpoint_dir

@@ -15,9 +15,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # imports the other).
 LAYERS = [
     ["config", "targets"],
-    ["metrics", "faults", "quant", "topology"],
+    ["metrics", "faults", "quant", "topology", "samples"],
     ["wire", "model", "algo", "reward", "data", "estimate", "report"],
-    ["engine", "tools"],
+    ["engine", "engine_client", "tools"],
     ["sync", "rollout", "trackers"],
     ["eval"],
     ["train"],

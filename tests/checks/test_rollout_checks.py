@@ -47,9 +47,9 @@ def test_tools_and_environments_are_built_at_validation(tmp_path: Path) -> None:
     found = problems("tiny_tool", "rollout.tools=[{target: 'builtin:no_such_tool'}]")
     assert any("no builtin tool 'no_such_tool'" in p and "builtin:python" in p for p in found), found
     env = tmp_path / "game.py"
-    env.write_text("class Game:\n    def reset(self, sample):\n        return []\n")
+    env.write_text("class Game:\n    def reset(self, problem):\n        return []\n")
     found = problems("tiny_arith", "rollout.mode=env", f"rollout.env={env}:Game")
-    assert any("rollout.env" in p and "async reset(sample) and async step" in p for p in found), found
+    assert any("rollout.env" in p and "async reset(problem) and async step" in p for p in found), found
     # without the machine's paths nothing is imported
     assert problems("tiny_tool", "rollout.tools=[{target: 'builtin:no_such_tool'}]", check_paths=False) == []
 

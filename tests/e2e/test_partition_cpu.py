@@ -23,9 +23,9 @@ import pytest
 from test_train_cpu import CLI, port_overrides
 from test_two_nodes_cpu import Node, assert_no_process_left, job, wait_for_steps
 
+from dsv4rl.engine_client.engine_keys import ADMIN_KEY_ENV, API_KEY_ENV
 from dsv4rl.launcher.node_liveness import heartbeat_path, read_heartbeat
 from dsv4rl.metrics import read_metrics
-from dsv4rl.rollout.engine_keys import ADMIN_KEY_ENV, API_KEY_ENV
 
 pytestmark = pytest.mark.slow
 

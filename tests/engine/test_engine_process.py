@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from dsv4rl.rollout.engine_keys import ADMIN_KEY_ENV, API_KEY_ENV, ensure_engine_keys_file
+from dsv4rl.engine_client.engine_keys import ADMIN_KEY_ENV, API_KEY_ENV, ensure_engine_keys_file
 
 
 def free_port() -> int:

@@ -30,10 +30,10 @@ from dsv4rl.engine.sglang_contract import (
     load_contract,
     request_problems,
 )
+from dsv4rl.engine_client.client import EngineClient
+from dsv4rl.engine_client.engine_keys import ensure_engine_keys_file
 from dsv4rl.launcher.engine_python import SGLANG_VERSION
 from dsv4rl.launcher.plan import build_local_plan
-from dsv4rl.rollout.client import EngineClient
-from dsv4rl.rollout.engine_keys import ensure_engine_keys_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTRACT = load_contract()

@@ -23,7 +23,7 @@ from dsv4rl.config.schema import Config, ModelConfig, QuantMode, SyncTransport
 from dsv4rl.model.native_checkpoint import load_native_model, write_native_checkpoint
 from dsv4rl.model.tiny import build_tiny_model, load_tokenizer
 from dsv4rl.model.wire_format import WireFormat
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.sync.weight_sync import SyncStats
 from dsv4rl.train.align import align_report, write_report
 from dsv4rl.train.batch import TrainBatch

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from dsv4rl.cli import app
 from dsv4rl.config.compose import compose
 from dsv4rl.config.schema import QuantConfig, QuantMode
+from dsv4rl.engine_client.engine_keys import ensure_engine_keys_file, read_engine_keys
 from dsv4rl.model.model_dir import materialize_model
-from dsv4rl.rollout.engine_keys import ensure_engine_keys_file, read_engine_keys
 from sglang_runner import needs_sglang
 
 pytestmark = [*needs_sglang, pytest.mark.slow]

@@ -13,7 +13,7 @@ from dsv4rl.data.problems import Problem
 from dsv4rl.faults.run_outcome import RunOutcome, write_run_outcome
 from dsv4rl.report.rollouts import FIELDS, load_step, rollouts_section, saved_steps, select
 from dsv4rl.reward.results import Outcome
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.train.rollout_records import saves_rollouts, write_rollouts
 
 runner = CliRunner()

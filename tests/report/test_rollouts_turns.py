@@ -14,7 +14,7 @@ from dsv4rl.cli import app
 from dsv4rl.data.problems import Problem
 from dsv4rl.report.rollouts import FIELDS, TRAJECTORY_FIELDS, load_step
 from dsv4rl.reward.results import Outcome
-from dsv4rl.rollout.types import Sample, Trajectory, TurnRecord
+from dsv4rl.samples import Sample, Trajectory, TurnRecord
 from dsv4rl.train.rollout_records import rollout_records, write_rollouts
 from dsv4rl.train.trajectory_records import mask_runs
 

@@ -32,7 +32,7 @@ from dsv4rl.reward.math_verify import MathVerifyGrader, verify_answer
 from dsv4rl.reward.results import FnSpec, RewardError
 from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.reward.scorers import BuiltinScorer
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.train import rewarding
 from dsv4rl.train.loop import RLLoop
 

@@ -30,7 +30,7 @@ from dsv4rl.reward.results import TIMED_OUT, FnSpec, Outcome, RewardError
 from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.reward.scorers import BuiltinScorer
 from dsv4rl.reward.step_limits import StepWatch
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.targets import parse
 from dsv4rl.train import rewarding
 from dsv4rl.train.loop import RLLoop

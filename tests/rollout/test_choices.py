@@ -14,13 +14,13 @@ from fastapi.testclient import TestClient
 
 from dsv4rl.config.schema import ModelConfig, SamplingConfig
 from dsv4rl.data.problems import Problem
+from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.replay import NO_CHOICE
 from dsv4rl.model.tiny import load_tokenizer
 from dsv4rl.rollout.choices import ChoiceRequest, attach_choices
-from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.generate import generate_samples
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.wire.choices import encode_int32
 

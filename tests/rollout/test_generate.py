@@ -13,9 +13,9 @@ from fastapi.testclient import TestClient
 
 from dsv4rl.config.schema import ModelConfig, SamplingConfig
 from dsv4rl.data.problems import Problem
+from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.tiny import load_tokenizer
-from dsv4rl.rollout.client import EngineClient
 from dsv4rl.rollout.generate import (
     encode_prompt,
     generate_samples,

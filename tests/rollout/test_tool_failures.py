@@ -24,11 +24,11 @@ from test_trajectory import (
 
 from dsv4rl.config.schema import RolloutConfig, RolloutMode, SamplingConfig
 from dsv4rl.data.problems import Problem
-from dsv4rl.rollout.env import EnvReset, EnvStep
+from dsv4rl.rollout.env import EnvReset, EnvStep, UserEnv
 from dsv4rl.rollout.tool_failures import FailureLog, StepFailures, ToolFailure, ToolFailureError
 from dsv4rl.rollout.trajectory import TrajectoryRunner, trajectory_metrics
 from dsv4rl.rollout.turn_format import PLAIN_RESULT, PlainFormat
-from dsv4rl.rollout.types import Trajectory
+from dsv4rl.samples import Trajectory
 from dsv4rl.tools.base import ToolResult
 from dsv4rl.train.rollout_records import rollout_records
 
@@ -304,8 +304,8 @@ class FlakyEnv:
         self.broken = broken
         self.closed: list[str] = []
 
-    async def reset(self, sample):
-        return EnvReset([{"role": "user", "content": sample.prompt}], {"id": sample.id, "turn": 0})
+    async def reset(self, problem):
+        return EnvReset([{"role": "user", "content": problem.prompt}], {"id": problem.id, "turn": 0})
 
     async def step(self, state, assistant_message):
         if state["id"] in self.broken:
@@ -321,7 +321,8 @@ class FlakyEnv:
 
 def env_runner(env, fraction: float = 0.05) -> TrajectoryRunner:  # noqa: ANN001
     cfg = RolloutConfig(mode=RolloutMode.env, env="game.py:FlakyEnv", max_tool_error_fraction=fraction)
-    return TrajectoryRunner(cfg, SamplingConfig(max_new_tokens=8), PlainFormat(TOK, []), env, EOS)
+    fmt = PlainFormat(TOK, [])
+    return TrajectoryRunner(cfg, SamplingConfig(max_new_tokens=8), fmt, UserEnv(env, cfg.env), EOS)
 
 
 def test_an_environment_whose_step_raises_is_counted_recorded_and_bounded(caplog):

@@ -16,7 +16,7 @@ from dsv4rl.config.schema import MalformedCall, RolloutConfig, RolloutMode, Samp
 from dsv4rl.data.problems import Problem
 from dsv4rl.model.tokenizer import build_char_tokenizer
 from dsv4rl.rollout.choices import ChoiceRequest
-from dsv4rl.rollout.env import EnvReset, EnvStep, ToolEnv
+from dsv4rl.rollout.env import EnvReset, EnvStep, ToolEnv, UserEnv
 from dsv4rl.rollout.tool_failures import ToolFailureError
 from dsv4rl.rollout.trajectory import (
     TrajectoryRunner,
@@ -25,7 +25,7 @@ from dsv4rl.rollout.trajectory import (
     trajectory_metrics,
 )
 from dsv4rl.rollout.turn_format import PLAIN_CALL, PLAIN_NAME_END, PLAIN_RESULT, PlainFormat
-from dsv4rl.rollout.types import Sample, Trajectory, TurnRecord
+from dsv4rl.samples import Sample, Trajectory, TurnRecord
 from dsv4rl.tools.base import FunctionTool, ToolResult
 from dsv4rl.wire.choices import encode_int32
 
@@ -132,7 +132,7 @@ class LookupLike:
         self.closed: list[int] = []
         self.args: list[dict] = []
 
-    async def open(self, sample):
+    async def open(self, problem):
         state = len(self.opened)
         self.opened.append(state)
         return state
@@ -458,7 +458,7 @@ def test_a_failing_open_closes_what_was_opened():
         name = "broken"
         schema = {**LookupLike.schema, "name": "broken"}
 
-        async def open(self, sample):
+        async def open(self, problem):
             raise OSError("no sandbox")
 
     good = LookupLike()
@@ -526,8 +526,8 @@ class TwoTurnEnv:
         self.seen: list[dict] = []
         self.closed: list[str] = []
 
-    async def reset(self, sample):
-        return EnvReset([{"role": "user", "content": sample.prompt}], {"id": sample.id, "turn": 0})
+    async def reset(self, problem):
+        return EnvReset([{"role": "user", "content": problem.prompt}], {"id": problem.id, "turn": 0})
 
     async def step(self, state, assistant_message):
         self.seen.append(assistant_message)
@@ -543,7 +543,8 @@ class TwoTurnEnv:
 def test_env_mode_two_turns_with_per_turn_rewards():
     env = TwoTurnEnv()
     cfg = RolloutConfig(mode=RolloutMode.env)
-    runner = TrajectoryRunner(cfg, SamplingConfig(max_new_tokens=8), PlainFormat(TOK, []), env, EOS)
+    fmt = PlainFormat(TOK, [])
+    runner = TrajectoryRunner(cfg, SamplingConfig(max_new_tokens=8), fmt, UserEnv(env, "game.py:Env"), EOS)
     engine = ScriptedEngine(lambda s: "3<eos>" if "=" in s else "1<eos>")
     sample = run(runner, [engine])[0]
     assert text(sample.response_ids) == "1<eos>=3.3<eos>"

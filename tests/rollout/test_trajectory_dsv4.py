@@ -138,7 +138,7 @@ class FakePython:
         self.args: list[dict] = []
         self.opened = self.closed = 0
 
-    async def open(self, sample):
+    async def open(self, problem):
         self.opened += 1
         return {}
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from sync_helpers import TRAINER_SEED, trainer_model
 
 from dsv4rl.config.schema import SyncConfig
-from dsv4rl.rollout.client import EngineClient
+from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.sync.weight_sync import WeightSync, WeightSyncError
 from dsv4rl.topology import SyncSource, stage_group_name

@@ -22,8 +22,8 @@ from dsv4rl.config.schema import (
     SyncTransport,
 )
 from dsv4rl.engine.sglang_contract import load_contract, request_problems
-from dsv4rl.rollout.client import EngineClient
-from dsv4rl.rollout.colocated import KV_AND_GRAPHS, ColocatedEngines
+from dsv4rl.engine_client.client import EngineClient
+from dsv4rl.engine_client.colocated import KV_AND_GRAPHS, ColocatedEngines
 from dsv4rl.sync.served_format import check_served_formats
 from dsv4rl.sync.weight_sync import WeightSync
 from dsv4rl.wire.checksum import checksums

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dsv4rl.config.schema import MemoryTag, SyncConfig, SyncTransport
-from dsv4rl.rollout.client import EngineClient
-from dsv4rl.rollout.colocated import KV_AND_GRAPHS, ColocatedEngines
+from dsv4rl.engine_client.client import EngineClient
+from dsv4rl.engine_client.colocated import KV_AND_GRAPHS, ColocatedEngines
 from dsv4rl.sync.weight_sync import WeightSync, WeightSyncError
 from dsv4rl.wire.tensor_payload import deserialize, named_tensors
 

@@ -20,8 +20,8 @@ from sync_helpers import TRAINER_SEED, free_port, quantized_copy, trainer_model,
 
 from dsv4rl.config.schema import QuantConfig, QuantMode, RolloutEngineKind, SyncConfig
 from dsv4rl.engine.sglang_contract import load_contract, request_problems
+from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.model.tokenizer import build_char_tokenizer
-from dsv4rl.rollout.client import EngineClient
 from dsv4rl.sync.served_format import check_served_formats
 from dsv4rl.sync.weight_sync import SyncStats, WeightSync, WeightSyncError
 from dsv4rl.wire.checksum import checksums

@@ -161,7 +161,7 @@ class Trainer:
     """What the programs try to reach: files, sockets, signals, this process's environment."""
 
     def __init__(self, root: Path):
-        from dsv4rl.rollout.engine_keys import ensure_engine_keys_file, read_engine_keys
+        from dsv4rl.engine_client.engine_keys import ensure_engine_keys_file, read_engine_keys
 
         self.root = root
         self.secret = "s3cr3t-" + secrets.token_hex(8)

@@ -34,7 +34,7 @@ class Counter:
         self.start = start
         self.schema = dict(SCHEMA)
 
-    async def open(self, sample):
+    async def open(self, problem):
         return {"n": self.start}
 
     async def call(self, state, args):
@@ -49,7 +49,7 @@ class SyncMethods:
     name = "sync"
     schema = SCHEMA
 
-    def open(self, sample):
+    def open(self, problem):
         return None
 
     async def call(self, state, args):
@@ -62,7 +62,7 @@ class SyncMethods:
 class NoName:
     schema = SCHEMA
 
-    async def open(self, sample):
+    async def open(self, problem):
         return None
 
     async def call(self, state, args):

@@ -19,7 +19,7 @@ from dsv4rl.model.naming import hf_to_native
 from dsv4rl.model.native_checkpoint import load_native_model
 from dsv4rl.model.sglang_numerics import apply_sglang_numerics, served_weight
 from dsv4rl.rollout.choices import ChoiceRequest
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.train.attribute import fixed_sequences, scored_sample, trainer_features, trainer_logprobs
 from dsv4rl.train.batch import TrainBatch
 

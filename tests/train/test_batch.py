@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.train.batch import TrainBatch
 
 PAD = 2

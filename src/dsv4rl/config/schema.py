@@ -752,7 +752,7 @@ class SyncConfig:
 
 @dataclass
 class EngineConfig:
-    # Anything but loopback: the engines get per-run api and admin keys (dsv4rl.rollout.engine_keys).
+    # Anything but loopback: the engines get per-run api and admin keys (dsv4rl.engine_client.engine_keys).
     host: str = "127.0.0.1"
     # Engine i of a node listens on port + i (port + 10 * i with attention DP, whose engines also open
     # port + 233 .. port + 240).

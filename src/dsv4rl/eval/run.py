@@ -27,7 +27,7 @@ from dsv4rl.eval.scores import ProblemResult, problem_row, score_problems
 from dsv4rl.eval.tools import eval_multi_turn, final_texts, generate_with_tools, tool_report
 from dsv4rl.reward.graders import DEFAULT_MAX_ERROR_FRACTION, Graded, Grader, get_grader, grade_responses
 from dsv4rl.rollout.generate import generate_samples
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.wire.engine_api import EngineAPI
 
 __all__ = [

@@ -27,7 +27,7 @@ from dsv4rl.rollout.trajectory import (
     generate_trajectories,
     trajectory_metrics,
 )
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.wire.engine_api import EngineAPI
 
 __all__ = ["TOOL_METRIC_KEYS", "eval_multi_turn", "final_texts", "generate_with_tools", "tool_report"]

@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 
 from dsv4rl.config.compose import load_config_file
+from dsv4rl.engine_client.engines import engine_clients, freeze_engines_gc, wait_for_engines
 from dsv4rl.eval.data import eval_problems
 from dsv4rl.eval.run import eval_grader, evaluate_on_engines, write_report
 from dsv4rl.eval.weights import scored_weights
 from dsv4rl.faults import heartbeat
 from dsv4rl.faults.child import child_process
 from dsv4rl.model.tiny import run_tokenizer
-from dsv4rl.rollout.engines import engine_clients, freeze_engines_gc, wait_for_engines
 from dsv4rl.rollout.generate import rollout_seed
 
 log = logging.getLogger("dsv4rl.eval")

@@ -32,6 +32,7 @@ from dsv4rl.config.schema import (
     RolloutMode,
     SyncTransport,
 )
+from dsv4rl.engine_client.engine_keys import ADMIN_KEY_ENV, engine_keys_file, engines_need_keys
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT
 from dsv4rl.launcher.engine_python import engine_python
 from dsv4rl.launcher.estimate_view import (
@@ -54,7 +55,6 @@ from dsv4rl.launcher.plan import (
 )
 from dsv4rl.quant import sglang_moe
 from dsv4rl.reward.rewarder import effective_fns
-from dsv4rl.rollout.engine_keys import ADMIN_KEY_ENV, engine_keys_file, engines_need_keys
 from dsv4rl.topology import data_parallel_size, stage_layers, sync_transport, weight_sync_sources
 
 

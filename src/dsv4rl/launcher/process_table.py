@@ -18,11 +18,11 @@ from urllib.parse import urlsplit
 from rich.text import Text
 
 from dsv4rl.config.schema import ProcessRole
+from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.faults.heartbeat import START
 from dsv4rl.launcher.child_faults import ChildFaults
 from dsv4rl.launcher.plan import ProcessSpec
 from dsv4rl.launcher.procs import Tracker, child_preexec
-from dsv4rl.rollout.client import EngineClient
 
 Say = Callable[..., None]  # the supervisor's print: above its live display when there is one
 

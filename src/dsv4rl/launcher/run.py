@@ -20,6 +20,7 @@ from rich.text import Text
 from dsv4rl.checks.data_files import data_file_problems
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config, ProcessRole, ResumeMode, Task
+from dsv4rl.engine_client.engine_keys import EngineKeysError, engines_need_keys, ensure_engine_keys_file
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT, clear_failed_push, decide_requeue
 from dsv4rl.faults.files import read_json, write_text_atomic
 from dsv4rl.faults.run_outcome import RunOutcome, clear_run_outcome, write_run_outcome
@@ -35,7 +36,6 @@ from dsv4rl.launcher.plan import (
 )
 from dsv4rl.launcher.run_lock import RunDirInUse, RunLock, unwritable
 from dsv4rl.launcher.supervisor import Supervisor
-from dsv4rl.rollout.engine_keys import EngineKeysError, engines_need_keys, ensure_engine_keys_file
 
 
 def write_config(cfg: Config, run_dir: Path) -> Path:

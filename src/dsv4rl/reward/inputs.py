@@ -8,7 +8,12 @@ what a remote reward service receives (docs/reward_contract.md, version `CONTRAC
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from dsv4rl.samples import Sample
+
+if TYPE_CHECKING:
+    from dsv4rl.data.problems import Problem
 
 CONTRACT_VERSION = 1  # the remote reward contract's version (docs/reward_contract.md)
 
@@ -58,6 +63,44 @@ class RewardInput:
     def truncated(self) -> bool:
         """Cut off by a token cap (`algo.sampling.max_new_tokens`, or a multi-turn token budget)."""
         return self.finish_reason == "length"
+
+    @classmethod
+    def from_sample(
+        cls,
+        sample: Sample,
+        problem: Problem,
+        *,
+        step: int,
+        index: int,
+        answer: str | None,
+        reasoning: str = "",
+        messages: list[dict[str, Any]] | None = None,
+    ) -> RewardInput:
+        """What a reward function reads of `sample`, generated for the data row `problem`: the one place a
+        rollout's output becomes reward input. `answer` / `reasoning`: the last turn's split as the
+        recipe's response parser made it (its whole text without a chat format); `messages`: the chat
+        messages the prompt was rendered from (`data.chat_format`)."""
+        trajectory = sample.trajectory
+        return cls(
+            prompt=problem.prompt,
+            response=sample.response_text,
+            answer=answer,
+            reasoning=reasoning,
+            ground_truth=problem.answer,
+            metadata=dict(problem.metadata),
+            messages=messages,
+            prompt_ids=list(sample.prompt_ids),
+            response_ids=list(sample.response_ids),
+            finish_reason=sample.finish_reason,
+            step=step,
+            index=index,
+            group=sample.group,
+            problem_id=problem.id,
+            conversation=None if trajectory is None else list(trajectory.messages),
+            turns=1 if trajectory is None else len(trajectory.turns),
+            tool_calls=0 if trajectory is None else trajectory.tool_calls,
+            tool_rewards=[] if trajectory is None else trajectory.tool_rewards,
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The sample as the remote contract sends it (plain JSON types only)."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.wire.choices import decode_rows
 
 

@@ -1,16 +1,19 @@
 """What answers an assistant turn: an environment. Tools are the special case `ToolEnv` implements.
 
 An environment (`rollout.env: pkg.module:Class`, built with `rollout.env_kwargs`) has
-`async reset(sample) -> messages` (the conversation a trajectory starts from; or `EnvReset(messages,
+`async reset(problem) -> messages` (the conversation a trajectory starts from; or `EnvReset(messages,
 state)` to keep a state of its own) and `async step(state, assistant_message) -> EnvStep` (the messages
-that answer the turn, a reward for it, whether the trajectory is done). `state` is what reset kept, else
-the sample (the data row's `Problem`). An optional `async close(state)` runs on every path out.
+that answer the turn, a reward for it, whether the trajectory is done). `problem` is the data row
+(`dsv4rl.data.Problem`); `state` is what reset kept, else the problem. An optional `async close(state)` runs
+on every path out. The rollout drives a user's environment through `UserEnv` (its failures counted) and
+the recipe's tools through `ToolEnv`: both through the same `reset` / `step` / `close`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,9 +21,9 @@ from typing import Any, Protocol
 
 from dsv4rl.config.schema import MalformedCall, RolloutConfig, TruncateSide
 from dsv4rl.data.problems import Problem
-from dsv4rl.rollout.tool_failures import ToolFailure
+from dsv4rl.rollout.tool_failures import ENV_NAME, ToolFailure
 from dsv4rl.rollout.turn_format import AssistantTurn, ParsedCall, TurnFormat
-from dsv4rl.tools.base import Tool, ToolResult, as_tool_result, schema_problems
+from dsv4rl.tools.base import Tool, ToolResult, as_tool_result, schema_problems, warn_old_row_name
 
 
 @dataclass
@@ -45,9 +48,40 @@ class EnvReset:
 
 
 class Env(Protocol):
-    async def reset(self, sample: Problem) -> list[dict[str, Any]] | EnvReset: ...
+    async def reset(self, problem: Problem) -> list[dict[str, Any]] | EnvReset: ...
 
     async def step(self, state: Any, assistant_message: dict[str, Any]) -> EnvStep: ...
+
+
+class UserEnv:
+    """`rollout.mode=env`: the user's environment as the rollout drives it. Each step counts as one call
+    of the environment (`env`, against `max_turns`); a step that raised is the environment's failure: the
+    trajectory ends (abort) and the failure is counted, logged and bounded (`rollout.tool_failures`)."""
+
+    def __init__(self, env: Any, spec: str):
+        self.env = env
+        self.what = f"environment {spec!r}"
+        warn_old_row_name(env.reset, f"rollout.env={spec!r}: reset")
+
+    def call_budget(self, rollout: RolloutConfig) -> int:
+        return rollout.max_turns
+
+    async def reset(self, problem: Problem) -> list[dict[str, Any]] | EnvReset:
+        return await self.env.reset(problem)
+
+    async def step(self, state: Any, assistant_message: dict[str, Any]) -> EnvStep:
+        try:
+            step = await self.env.step(state, dict(assistant_message))
+            step = step if isinstance(step, EnvStep) else EnvStep(**step)
+        except Exception as error:  # noqa: BLE001  (the environment's failure: counted, bounded, recorded)
+            failure = ToolFailure.raised(ENV_NAME, self.what, error)
+            return EnvStep(done=True, finish="abort", runs=[(ENV_NAME, failure)])
+        return dataclasses.replace(step, runs=[(ENV_NAME, None), *step.runs])
+
+    async def close(self, state: Any) -> None:
+        close = getattr(self.env, "close", None)
+        if close is not None:
+            await close(state)
 
 
 def truncate_ids(ids: list[int], limit: int, side: TruncateSide) -> list[int]:
@@ -77,6 +111,7 @@ class ToolCounts:
 class ToolState:
     states: dict[str, Any]  # each tool's state for this trajectory
     counts: ToolCounts = field(default_factory=ToolCounts)
+    turns: int = 0  # the assistant turns stepped so far
 
 
 class ToolEnv:
@@ -94,20 +129,25 @@ class ToolEnv:
         pool: asyncio.Semaphore,
     ):
         self.tools = {tool.name: tool for tool in tools}
+        for name, tool in self.tools.items():
+            warn_old_row_name(tool.open, f"tool {name!r}: open")
         self.timeouts = timeouts
         self.cfg = rollout
         self.format = fmt
         self.pool = pool
 
-    async def reset(self, sample: Problem) -> EnvReset:
+    def call_budget(self, rollout: RolloutConfig) -> int:
+        return rollout.max_tool_calls
+
+    async def reset(self, problem: Problem) -> EnvReset:
         states: dict[str, Any] = {}
         try:
             for name, tool in self.tools.items():
-                states[name] = await tool.open(sample)
+                states[name] = await tool.open(problem)
         except BaseException:
             await self._close(states)
             raise
-        return EnvReset(self.format.initial_messages(sample), ToolState(states))
+        return EnvReset(self.format.initial_messages(problem), ToolState(states))
 
     async def close(self, state: ToolState) -> None:
         await self._close(state.states)
@@ -117,7 +157,17 @@ class ToolEnv:
             with contextlib.suppress(Exception):  # a failing close must not hide the trajectory
                 await self.tools[name].close(value)
 
-    async def step_turn(self, state: ToolState, turn: AssistantTurn) -> EnvStep:
+    async def step(self, state: ToolState, assistant_message: dict[str, Any]) -> EnvStep:
+        """Runs the turn's calls; a turn without calls is the final answer. The rollout's message carries
+        the turn as it was parsed (`AssistantMessage`); a plain message's calls are read from `tool_calls`.
+        A turn with calls on the last of `max_turns` ends the trajectory with them unrun (no turn is left
+        to read their results)."""
+        turn = getattr(assistant_message, "turn", None) or AssistantTurn.from_message(
+            assistant_message, list(self.tools)
+        )
+        state.turns += 1
+        if turn.calls and state.turns >= self.cfg.max_turns:
+            return EnvStep(done=True, finish="max_turns")
         if turn.parse_error is not None and not turn.calls:
             state.counts.parse_errors += 1
             if self.cfg.on_malformed_call == MalformedCall.terminate:

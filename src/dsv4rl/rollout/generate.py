@@ -10,7 +10,7 @@ from dsv4rl.config.schema import SamplingConfig
 from dsv4rl.data.chat_format import PromptRenderer
 from dsv4rl.data.problems import Problem
 from dsv4rl.rollout.choices import ChoiceRequest, attach_choices
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.wire.engine_api import EngineAPI
 from dsv4rl.wire.seed import mix_seed
 

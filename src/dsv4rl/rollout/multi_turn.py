@@ -17,7 +17,7 @@ from typing import Any
 from dsv4rl.config.schema import Config, RolloutMode
 from dsv4rl.data.chat_format import ChatSettings, PromptRenderer
 from dsv4rl.rollout.choices import ChoiceRequest
-from dsv4rl.rollout.env import ToolEnv
+from dsv4rl.rollout.env import ToolEnv, UserEnv
 from dsv4rl.rollout.trajectory import TrajectoryRunner
 from dsv4rl.rollout.turn_format import turn_format
 from dsv4rl.targets import TargetError, load
@@ -39,7 +39,7 @@ def load_env(spec: str, kwargs: dict[str, Any], base_dirs: Sequence[Path]) -> An
     missing = [m for m in ("reset", "step") if not inspect.iscoroutinefunction(getattr(env, m, None))]
     if missing:
         raise TargetError(
-            f"rollout.env={spec!r}: needs async reset(sample) and async step(state, assistant_message) "
+            f"rollout.env={spec!r}: needs async reset(problem) and async step(state, assistant_message) "
             f"(missing or not async: {missing}); see dsv4rl.rollout.env.Env"
         )
     return env
@@ -60,7 +60,7 @@ def build_multi_turn(
         timeouts = {tool.name: entry.timeout_s for tool, entry in zip(tools, rollout.tools, strict=True)}
         env = ToolEnv(tools, timeouts, rollout, fmt, asyncio.Semaphore(max(1, rollout.max_concurrent_tools)))
     else:
-        env = load_env(rollout.env or "", dict(rollout.env_kwargs), base_dirs)
+        env = UserEnv(load_env(rollout.env or "", dict(rollout.env_kwargs), base_dirs), rollout.env or "")
     runner = TrajectoryRunner(
         rollout,
         sampling if sampling is not None else cfg.algo.sampling,

@@ -27,7 +27,7 @@ import traceback as tb
 from collections import Counter
 from dataclasses import dataclass
 
-from dsv4rl.rollout.types import CallCounts, Trajectory
+from dsv4rl.samples import CallCounts, Trajectory
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ a few milliseconds into one batched /generate per engine, so 512 trajectories do
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,11 +36,11 @@ import numpy as np
 from dsv4rl.config.schema import RolloutConfig, SamplingConfig, TitoCheck
 from dsv4rl.data.problems import Problem
 from dsv4rl.rollout.choices import ChoiceRequest
-from dsv4rl.rollout.env import EnvReset, EnvStep, ToolEnv
+from dsv4rl.rollout.env import EnvReset, ToolEnv, UserEnv
 from dsv4rl.rollout.generate import sample_seed, sampling_params
-from dsv4rl.rollout.tool_failures import ENV_NAME, FailureLog, StepFailures, ToolFailure
-from dsv4rl.rollout.turn_format import AssistantTurn, TurnFormat
-from dsv4rl.rollout.types import Sample, Trajectory, TurnRecord
+from dsv4rl.rollout.tool_failures import ENV_NAME, FailureLog, StepFailures
+from dsv4rl.rollout.turn_format import AssistantMessage, AssistantTurn, TurnFormat
+from dsv4rl.samples import Sample, Trajectory, TurnRecord
 from dsv4rl.wire.choices import decode_rows
 from dsv4rl.wire.engine_api import EngineAPI
 from dsv4rl.wire.seed import mix_seed
@@ -137,14 +136,14 @@ def _choice_rows(meta: dict, key: str, rows: int) -> np.ndarray:
 
 class TrajectoryRunner:
     """Runs trajectories of one step against the engines. `env` is a `ToolEnv` (tools mode) or the
-    user's environment (env mode)."""
+    user's environment as a `UserEnv` (env mode)."""
 
     def __init__(
         self,
         rollout: RolloutConfig,
         sampling: SamplingConfig,
         fmt: TurnFormat,
-        env: Any,
+        env: ToolEnv | UserEnv,
         eos_id: int | None,
         choices: ChoiceRequest | None = None,
     ):
@@ -160,7 +159,7 @@ class TrajectoryRunner:
     @property
     def call_budget(self) -> int:
         """The most calls a trajectory makes: tool calls (tools mode), environment steps (env mode)."""
-        return self.cfg.max_tool_calls if isinstance(self.env, ToolEnv) else self.cfg.max_turns
+        return self.env.call_budget(self.cfg)
 
     def step_failures(self, trajectories: int) -> StepFailures:
         """The failure count of a round of `trajectories` trajectories."""
@@ -186,26 +185,11 @@ class TrajectoryRunner:
             return list(reset.messages), (reset.state if reset.state is not None else problem)
         return list(reset), problem
 
-    async def _step(self, state: Any, turn: AssistantTurn) -> tuple[EnvStep, ToolFailure | None]:
-        """The environment's answer to `turn`, and its failure when its step raised (the trajectory then
-        ends with finish reason abort: there is nothing to answer the model with)."""
-        if isinstance(self.env, ToolEnv):
-            return await self.env.step_turn(state, turn), None
-        try:
-            step = await self.env.step(state, turn.message())
-            step = step if isinstance(step, EnvStep) else EnvStep(**step)
-        except Exception as error:  # noqa: BLE001  (the environment's failure: counted, bounded, recorded)
-            failure = ToolFailure.raised(ENV_NAME, f"environment {self.cfg.env!r}", error)
-            return EnvStep(done=True, finish="abort", runs=[(ENV_NAME, failure)]), failure
-        return dataclasses.replace(step, runs=[(ENV_NAME, None), *step.runs]), None
-
     async def _close(self, state: Any) -> None:
-        close = getattr(self.env, "close", None)
-        if close is not None:
-            try:
-                await close(state)
-            except Exception as error:  # noqa: BLE001  (a failing close must not lose the trajectory)
-                log.warning("the environment's close raised %r", error)
+        try:
+            await self.env.close(state)
+        except Exception as error:  # noqa: BLE001  (a failing close must not lose the trajectory)
+            log.warning("the environment's close raised %r", error)
 
     async def run(
         self,
@@ -267,17 +251,14 @@ class TrajectoryRunner:
                 finish = "abort"
                 break
             turn = self.format.parse(sampled, len(turns) - 1, reason)
-            if turn.calls and len(turns) >= self.cfg.max_turns and isinstance(self.env, ToolEnv):
-                finish = "max_turns"  # no turn left to read the results: the calls are not run
-                messages.append(self.format.assistant_message(turn))
-                break
-            step, env_failure = await self._step(state, turn)
+            step = await self.env.step(state, AssistantMessage(turn))
             record.calls, record.reward = step.calls, step.reward
-            if env_failure is not None:
-                record.exception = env_failure.record()
             where = f"problem {problem.id}, turn {len(turns)}"
-            consequence = "the trajectory ends (abort)" if env_failure else "the model got an error result"
+            aborted = step.done and step.finish == "abort"
+            consequence = "the trajectory ends (abort)" if aborted else "the model got an error result"
             for name, failure in step.runs:
+                if aborted and name == ENV_NAME and failure is not None:  # the environment's step raised
+                    record.exception = failure.record()
                 failures.ran(trajectory, name, failure, where, consequence)
             failures.check()
             for key, value in step.metrics.items():

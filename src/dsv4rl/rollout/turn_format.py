@@ -17,6 +17,7 @@ next turn's opening tokens) as the difference of two renders (`dsv4rl.rollout.tr
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,6 +52,21 @@ class AssistantTurn:
     finish_reason: str = "stop"
     parse_error: str | None = None  # the whole call block could not be read
 
+    @classmethod
+    def from_message(cls, message: dict[str, Any], tool_names: Sequence[str]) -> AssistantTurn:
+        """An OpenAI-style assistant message as a turn (no ids: it was not sampled here): its calls read
+        from `tool_calls`, their arguments JSON text or an object."""
+        calls = []
+        for index, entry in enumerate(message.get("tool_calls") or []):
+            function = entry.get("function") or {}
+            arguments = function.get("arguments") or ""
+            arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
+            call_id = str(entry.get("id") or f"call_{index}")
+            calls.append(read_call(call_id, str(function.get("name") or ""), arguments, tool_names))
+        content = str(message.get("content") or "")
+        reasoning = str(message.get("reasoning_content") or "")
+        return cls(ids=[], text=content, content=content, reasoning=reasoning, calls=calls)
+
     def message(self) -> dict[str, Any]:
         """The turn as an OpenAI-style assistant message (what an environment's `step` receives and what the
         next render is made from); a malformed call's arguments are sent as `{}` to keep it renderable."""
@@ -67,6 +83,30 @@ class AssistantTurn:
                 for c in self.calls
             ]
         return out
+
+
+def read_call(call_id: str, name: str, arguments: str, tool_names: Sequence[str]) -> ParsedCall:
+    """A call as the model wrote it (a name, JSON arguments): malformed when the tool is unknown or the
+    arguments are not JSON (whether they fit the tool's schema is the tool environment's check)."""
+    call = ParsedCall(call_id, name, arguments)
+    if name not in tool_names:
+        call.error = f"unknown tool {name!r}; tools: {', '.join(tool_names)}"
+        return call
+    try:
+        call.args = json.loads(arguments) if arguments.strip() else {}
+    except ValueError as error:
+        call.error = f"the arguments are not valid JSON ({error}): {arguments[:200]!r}"
+    return call
+
+
+class AssistantMessage(dict):
+    """An assistant turn as the message an environment's `step` receives (`AssistantTurn.message`), with
+    the turn as the rollout parsed it (`turn`): what the message cannot show (a malformed call's error, a
+    call block that could not be read) stays there for the built-in tool environment."""
+
+    def __init__(self, turn: AssistantTurn):
+        super().__init__(turn.message())
+        self.turn = turn
 
 
 class TurnFormat(Protocol):
@@ -212,15 +252,7 @@ class DsmlFormat(_Tokens):
         turn.content, turn.reasoning = "".join(content), "".join(reasoning)
         for index in sorted(calls):
             name, arguments = calls[index]["name"], calls[index]["arguments"]
-            call = ParsedCall(_call_id(turn_index, index), name, arguments)
-            if name not in self.tool_names:
-                call.error = f"unknown tool {name!r}; tools: {', '.join(self.tool_names)}"
-            else:
-                try:
-                    call.args = json.loads(arguments) if arguments.strip() else {}
-                except ValueError as error:
-                    call.error = f"the arguments are not valid JSON ({error}): {arguments[:200]!r}"
-            turn.calls.append(call)
+            turn.calls.append(read_call(_call_id(turn_index, index), name, arguments, self.tool_names))
         return turn
 
     def _recipe_parse(self, ids: list[int]) -> list[dict[str, Any]]:

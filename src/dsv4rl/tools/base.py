@@ -1,6 +1,6 @@
 """What a tool is: a name, a JSON schema, and async open / call / close around one state per trajectory.
 
-A rollout in `rollout.mode=tools` opens every tool once per trajectory (`open(sample)`), calls it for each
+A rollout in `rollout.mode=tools` opens every tool once per trajectory (`open(problem)`), calls it for each
 of the model's calls (`call(state, args)`), and closes it on every path out of the trajectory (an answer,
 a budget, an error, an abort, a shutdown). A plain function becomes a tool through `FunctionTool`, its
 schema derived from its signature and docstring.
@@ -13,6 +13,7 @@ import functools
 import inspect
 import types
 import typing
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -44,8 +45,8 @@ class Tool(Protocol):
     name: str
     schema: dict[str, Any]
 
-    async def open(self, sample: Any) -> Any:
-        """The state of one trajectory (`sample`: the problem it answers)."""
+    async def open(self, problem: Any) -> Any:
+        """The state of one trajectory (`problem`: the data row it answers, a `dsv4rl.data.Problem`)."""
 
     async def call(self, state: Any, args: dict[str, Any]) -> ToolResult:
         """Run one call. Raise when the tool itself fails (the model gets a short error result, the run
@@ -53,6 +54,23 @@ class Tool(Protocol):
 
     async def close(self, state: Any) -> None:
         """Release the trajectory's state; called exactly once per `open`."""
+
+
+def warn_old_row_name(method: Callable[..., Any], what: str) -> None:
+    """A DeprecationWarning when `method` (a tool's `open`, an environment's `reset`) still names the data
+    row `sample`: it is `problem` now. The old name keeps working for one release (the rollout passes the
+    row by position)."""
+    try:
+        parameters = inspect.signature(method).parameters
+    except (TypeError, ValueError):  # a builtin or a callable without a readable signature
+        return
+    if "sample" in parameters and "problem" not in parameters:
+        warnings.warn(
+            f"{what}: the data row's parameter is named `sample`; rename it `problem` (the old name is "
+            "deprecated and stops working in the next release)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
 
 
 _JSON_TYPES: dict[Any, str] = {
@@ -128,7 +146,7 @@ class FunctionTool:
         self.schema = schema or function_schema(function, name)
         self.name = name or self.schema["name"]
 
-    async def open(self, sample: Any) -> None:
+    async def open(self, problem: Any) -> None:
         return None
 
     async def call(self, state: Any, args: dict[str, Any]) -> ToolResult:

@@ -20,8 +20,8 @@ class LookupTool:
             "parameters": {"type": "object", "properties": {}, "required": [], "additionalProperties": True},
         }
 
-    async def open(self, sample: Problem) -> Any:
-        return sample.metadata.get(self.column, sample.answer)
+    async def open(self, problem: Problem) -> Any:
+        return problem.metadata.get(self.column, problem.answer)
 
     async def call(self, state: Any, args: dict[str, Any]) -> ToolResult:
         return ToolResult(text=str(state))

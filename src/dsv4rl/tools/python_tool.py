@@ -170,7 +170,7 @@ class PythonTool:
         """The isolation as planned, for `dsv4rl plan` and the logs."""
         return self.plan.describe()
 
-    async def open(self, sample: Any) -> PythonState:
+    async def open(self, problem: Any) -> PythonState:
         if self.remote is not None:
             return PythonState("")  # nothing on this node: each run is a fresh directory on the service
         path = tempfile.mkdtemp(prefix="dsv4rl-py-")

@@ -27,12 +27,12 @@ from dsv4rl.config.schema import Config, SamplingConfig
 from dsv4rl.data.datasets import problem_source
 from dsv4rl.data.stream import PromptStream
 from dsv4rl.rollout.generate import generate_samples, rollout_seed
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.sync.weight_sync import SyncStats
 from dsv4rl.train.backend import TrainerBackend
 from dsv4rl.train.batch import TrainBatch
-from dsv4rl.train.loop import Driver
+from dsv4rl.train.driver import Driver
 
 log = logging.getLogger("dsv4rl.align")
 REPORT_FILE = "align.json"

@@ -40,12 +40,12 @@ from dsv4rl.algo.mismatch import abs_diff_summary
 from dsv4rl.config.schema import AlignFeature, Config, NumericsFeature
 from dsv4rl.model.sglang_numerics import apply_trainer_numerics
 from dsv4rl.rollout.choices import ChoiceRequest, attach_choices
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.sync.stages import StagedWeightSync
 from dsv4rl.train.align import align_samples, worst_tokens
 from dsv4rl.train.backend import TrainerBackend
 from dsv4rl.train.batch import TrainBatch
-from dsv4rl.train.loop import Driver
+from dsv4rl.train.driver import Driver
 
 log = logging.getLogger("dsv4rl.align")
 

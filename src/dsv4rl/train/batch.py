@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from dsv4rl.model.replay import NO_CHOICE
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 
 PER_POSITION = ("routed_experts", "indexer_topk")  # [B, T, width]: one row per input position
 

@@ -5,19 +5,17 @@ and writes metrics. The other ranks receive each step's batch from rank 0 and tr
 shard; with pipeline stages, each stage's source rank sends its own stage's weights. Nothing here
 knows which trainer backend or which rollout engine is behind the seams.
 
-Colocated (`parallel.colocate`), the engines' memory moves around training (`dsv4rl.rollout.colocated`):
+Colocated (`parallel.colocate`), the engines' memory moves around training (`dsv4rl.engine_client.colocated`):
 rollout -> release -> train -> resume weights -> push by tensor handles -> resume KV cache -> next step.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,30 +25,24 @@ import torch.distributed as dist
 from dsv4rl.algo.dapo import flat_group_fraction
 from dsv4rl.algo.families import compute_advantages, keep_groups, sampling_done, shape_rewards
 from dsv4rl.config.schema import Config, MemoryTag
-from dsv4rl.data.chat_format import PromptRenderer
-from dsv4rl.data.chat_response import ResponseParser, response_split_metrics
+from dsv4rl.data.chat_response import response_split_metrics
 from dsv4rl.data.problems import Problem
-from dsv4rl.data.stream import PromptStream
-from dsv4rl.eval.periodic import PeriodicEval
+from dsv4rl.engine_client.colocated import KV_AND_GRAPHS
 from dsv4rl.faults import heartbeat
 from dsv4rl.faults.failed_push import write_failed_push
 from dsv4rl.faults.notices import notify
 from dsv4rl.faults.stop import StopSignals, write_stopped
 from dsv4rl.metrics import MetricsWriter, StepTimer
 from dsv4rl.reward.combine import combine, grader_counts
-from dsv4rl.reward.rewarder import RewardSet
-from dsv4rl.rollout.client import EngineClient
-from dsv4rl.rollout.colocated import KV_AND_GRAPHS, ColocatedEngines
-from dsv4rl.rollout.multi_turn import MultiTurn
 from dsv4rl.rollout.trajectory import trajectory_metrics
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.sync.stages import StagedWeightSync
-from dsv4rl.sync.verify import SyncVerifier
 from dsv4rl.sync.weight_sync import SyncStats, WeightSyncError
 from dsv4rl.trackers.hub import Trackers, open_trackers
 from dsv4rl.train.backend import TrainerBackend
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.checkpoint import checkpoint_dir, latest_checkpoint, load_newest
+from dsv4rl.train.driver import Driver
 from dsv4rl.train.learning_signal import FlatRewardWatch
 from dsv4rl.train.nonfinite import require_finite_weights
 from dsv4rl.train.preempt import BoundaryStop
@@ -59,24 +51,6 @@ from dsv4rl.train.rollout_ahead import RolloutAhead, overlap_seconds, staleness
 from dsv4rl.train.rollout_records import saves_rollouts, write_rollouts
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Driver:
-    """What only rank 0 holds: the engines, the data, the reward, the periodic eval and the metrics file."""
-
-    clients: Sequence[EngineClient]
-    stream: PromptStream
-    rewards: RewardSet  # reward.fns (or the reward.grader short form), remote, judge
-    tokenizer: object
-    metrics_path: Path
-    event_loop: asyncio.AbstractEventLoop
-    verifier: SyncVerifier
-    evaluator: PeriodicEval | None = None  # the recipe's eval set every eval.every_steps steps
-    colocated: ColocatedEngines | None = None  # parallel.colocate: the engines' memory around training
-    renderer: PromptRenderer | None = None  # data.chat_format: problems -> the prompt ids sent
-    parser: ResponseParser | None = None  # data.chat_format: responses -> reasoning and answer
-    multi_turn: MultiTurn | None = None  # rollout.mode tools / env: trajectories with tool calls
 
 
 def sync_metrics(stats: SyncStats | None) -> dict[str, float | str]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from dsv4rl.config.schema import ChatFormat, Config
 from dsv4rl.data.chat_format import user_messages
-from dsv4rl.data.chat_response import ResponseParser, ResponseParts
+from dsv4rl.data.chat_response import ResponseParts
 from dsv4rl.data.problems import Problem
 from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.results import Outcome
@@ -27,7 +27,8 @@ from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.rollout.choices import ChoiceRequest
 from dsv4rl.rollout.generate import generate_samples, rollout_seed
 from dsv4rl.rollout.trajectory import final_turn_text, generate_trajectories
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
+from dsv4rl.train.driver import Driver
 
 # /generate calls per engine when scoring overlaps generation: groups come back in this many waves
 OVERLAP_CALLS_PER_ENGINE = 8
@@ -40,38 +41,25 @@ def reward_inputs(
     problem: Problem,
     samples: Sequence[Sample],
     parts: Sequence[ResponseParts] | None,
+    final_texts: Sequence[str],
     step: int,
     first_index: int,
     chat: bool,
-    final_texts: Sequence[str] = (),
 ) -> list[RewardInput]:
     """The `RewardInput`s of one prompt's samples (`first_index`: the first one's index in the step;
-    `final_texts`: each multi-turn sample's last turn as text, its answer without a chat format)."""
+    `final_texts`: each sample's last turn as text, its answer without a chat format)."""
     out = []
-    for offset, sample in enumerate(samples):
+    for offset, (sample, final) in enumerate(zip(samples, final_texts, strict=True)):
         part = parts[offset] if parts is not None else None
-        trajectory = sample.trajectory
-        whole = sample.response_text if trajectory is None else final_texts[offset]
         out.append(
-            RewardInput(
-                prompt=problem.prompt,
-                response=sample.response_text,
-                answer=part.answer if part is not None else whole,
-                reasoning=part.reasoning if part is not None else "",
-                ground_truth=problem.answer,
-                metadata=dict(problem.metadata),
-                messages=user_messages(problem.prompt) if chat else None,
-                prompt_ids=list(sample.prompt_ids),
-                response_ids=list(sample.response_ids),
-                finish_reason=sample.finish_reason,
+            RewardInput.from_sample(
+                sample,
+                problem,
                 step=step,
                 index=first_index + offset,
-                group=sample.group,
-                problem_id=problem.id,
-                conversation=None if trajectory is None else list(trajectory.messages),
-                turns=1 if trajectory is None else len(trajectory.turns),
-                tool_calls=0 if trajectory is None else trajectory.tool_calls,
-                tool_rewards=[] if trajectory is None else trajectory.tool_rewards,
+                answer=part.answer if part is not None else final,
+                reasoning=part.reasoning if part is not None else "",
+                messages=user_messages(problem.prompt) if chat else None,
             )
         )
     return out
@@ -98,7 +86,7 @@ class Round:
 
 async def generate_and_score(
     cfg: Config,
-    driver,  # noqa: ANN001  (dsv4rl.train.loop.Driver: the loop imports this module)
+    driver: Driver,
     problems: Sequence[Problem],
     step: int,
     attempt: int,
@@ -109,38 +97,12 @@ async def generate_and_score(
     overrides `calls_for` (benchmarks)."""
     algo = cfg.algo
     rewards: RewardSet = driver.rewards
-    parser: ResponseParser | None = driver.parser
-    chat = cfg.data.chat_format != ChatFormat.none
-    tasks: dict[int, asyncio.Task] = {}
-    parts: dict[int, list[ResponseParts] | None] = {}
-    first_back: list[float] = []
-
-    failed: asyncio.Future = asyncio.get_running_loop().create_future()  # its result: the first failed group
-
-    def on_scored(task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None and not failed.done():
-            failed.set_result(task)
-
-    def on_group(group: int, samples: list[Sample]) -> None:
-        first_back.append(time.monotonic())
-        finals = [final_turn_text(driver.tokenizer, s) for s in samples]
-        split = (
-            [parser.parse(s.final_turn_ids, text) for s, text in zip(samples, finals, strict=True)]
-            if parser is not None
-            else None
-        )
-        parts[group] = split
-        inputs = reward_inputs(
-            problems[group], samples, split, step, first_index + group * len(samples), chat, finals
-        )
-        tasks[group] = asyncio.ensure_future(rewards.score_group(inputs))
-        tasks[group].add_done_callback(on_scored)
-
+    scoring = GroupScoring(driver, problems, step, first_index, cfg.data.chat_format != ChatFormat.none)
     started = time.monotonic()
     seed = rollout_seed(cfg.seed, step, attempt) if cfg.engine.reproducible_sampling else None
     if driver.multi_turn is not None:
         generation = generate_trajectories(
-            driver.clients, problems, driver.multi_turn.runner, algo.group_size, seed, on_group
+            driver.clients, problems, driver.multi_turn.runner, algo.group_size, seed, scoring.on_group
         )
     else:
         generation = generate_samples(
@@ -152,16 +114,19 @@ async def generate_and_score(
             seed=seed,
             renderer=driver.renderer,
             choices=ChoiceRequest(algo.routing_replay, algo.indexer_replay),
-            on_group=on_group,
+            on_group=scoring.on_group,
             requests_per_engine=calls_per_engine or calls_for(rewards),
         )
     rewards.begin_round(step, len(problems) * algo.group_size)  # before any group can be back
     generating = asyncio.ensure_future(generation)
+    tasks = scoring.tasks
     try:
-        samples = await _unless_failed(generating, failed)
+        samples = await _unless_failed(generating, scoring.failed)
         generated = time.monotonic()
         rewards.start_deadline()
-        scored = await _unless_failed(asyncio.gather(*(tasks[group] for group in sorted(tasks))), failed)
+        scored = await _unless_failed(
+            asyncio.gather(*(tasks[group] for group in sorted(tasks))), scoring.failed
+        )
     except BaseException:
         generating.cancel()
         for task in tasks.values():
@@ -171,12 +136,49 @@ async def generate_and_score(
     finally:
         rewards.end_round()
     outcomes = [per_sample for group in scored for per_sample in group.outcomes]
-    split_parts = [p for group in sorted(parts) for p in parts[group]] if parser is not None else None
+    parts = scoring.parts
+    split_parts = [p for group in sorted(parts) for p in parts[group]] if driver.parser is not None else None
     per_sample = [problems[s.group] for s in samples]
     done = time.monotonic()
-    scoring_span = done - min(first_back, default=done)
+    scoring_span = done - min(scoring.first_back, default=done)
     rewards.overlap = scoring_span > OVERLAP_WHEN * (generated - started)  # the next round's calls
     return Round(samples, per_sample, split_parts, outcomes, generated - started, done - generated)
+
+
+class GroupScoring:
+    """The scoring side of a round: each prompt's group, once generated (`on_group`, called by the
+    rollout), is split by the response parser, made `RewardInput`s and scored in the background;
+    `failed` holds the first group whose scoring raised."""
+
+    def __init__(self, driver: Driver, problems: Sequence[Problem], step: int, first_index: int, chat: bool):
+        self.driver = driver
+        self.problems = problems
+        self.step = step
+        self.first_index = first_index
+        self.chat = chat
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.parts: dict[int, list[ResponseParts] | None] = {}
+        self.first_back: list[float] = []  # when each group came back
+        self.failed: asyncio.Future = asyncio.get_running_loop().create_future()  # its result: the task
+
+    def on_group(self, group: int, samples: list[Sample]) -> None:
+        self.first_back.append(time.monotonic())
+        parser = self.driver.parser
+        finals = [final_turn_text(self.driver.tokenizer, s) for s in samples]
+        split = (
+            [parser.parse(s.final_turn_ids, text) for s, text in zip(samples, finals, strict=True)]
+            if parser is not None
+            else None
+        )
+        self.parts[group] = split
+        first = self.first_index + group * len(samples)
+        inputs = reward_inputs(self.problems[group], samples, split, finals, self.step, first, self.chat)
+        self.tasks[group] = asyncio.ensure_future(self.driver.rewards.score_group(inputs))
+        self.tasks[group].add_done_callback(self._on_scored)
+
+    def _on_scored(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and not self.failed.done():
+            self.failed.set_result(task)
 
 
 async def _unless_failed(work: asyncio.Future, failed: asyncio.Future):  # noqa: ANN202

@@ -19,7 +19,7 @@ from dsv4rl.data.problems import Problem
 from dsv4rl.faults.files import write_text_atomic
 from dsv4rl.report.rollouts import rollouts_file
 from dsv4rl.reward.results import Outcome
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.train.trajectory_records import Decode, trajectory_fields
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dsv4rl.report.rollouts import TRAJECTORY_FIELDS
-from dsv4rl.rollout.types import Sample, Trajectory
+from dsv4rl.samples import Sample, Trajectory
 
 Decode = Callable[[list[int]], str]
 __all__ = ["TRAJECTORY_FIELDS", "Decode", "mask_runs", "trajectory_fields"]

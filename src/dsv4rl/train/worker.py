@@ -28,6 +28,9 @@ from dsv4rl.config.schema import ChatFormat, Config, RolloutEngineKind, Task
 from dsv4rl.data.chat_format import PromptRenderer, data_chat_settings
 from dsv4rl.data.chat_response import ResponseParser
 from dsv4rl.data.stream import build_prompt_stream
+from dsv4rl.engine_client.client import EngineClient
+from dsv4rl.engine_client.colocated import ColocatedEngines
+from dsv4rl.engine_client.engines import engine_clients, freeze_engines_gc, wait_for_engines
 from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.faults.child import child_process
 from dsv4rl.faults.stop import StopSignals
@@ -37,9 +40,6 @@ from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.quant.sglang_env import engine_env
 from dsv4rl.quant.sglang_moe import recipe_moe_path, restart_reason
 from dsv4rl.reward.rewarder import RewardSet
-from dsv4rl.rollout.client import EngineClient
-from dsv4rl.rollout.colocated import ColocatedEngines
-from dsv4rl.rollout.engines import engine_clients, freeze_engines_gc, wait_for_engines
 from dsv4rl.rollout.multi_turn import build_multi_turn
 from dsv4rl.sync.served_format import check_served_formats
 from dsv4rl.sync.served_model import check_served_models
@@ -50,7 +50,8 @@ from dsv4rl.topology import sync_transport, weight_sync_sources
 from dsv4rl.train.align import run_align
 from dsv4rl.train.attribute import run_attribution
 from dsv4rl.train.backend import TrainerBackend, build_backend
-from dsv4rl.train.loop import Driver, RLLoop
+from dsv4rl.train.driver import Driver
+from dsv4rl.train.loop import RLLoop
 
 log = logging.getLogger("dsv4rl.train")
 

@@ -1,9 +1,9 @@
 """The engine API as its callers use it: the SGLang 0.5.23 HTTP calls the weight sync, the sync checks,
 colocated memory, rollouts and evals make on an engine.
 
-`dsv4rl.rollout.client.EngineClient` implements it over HTTP (for SGLang and the reference engine alike);
-tests stand in with fakes. It lives here, below both sides, so the trainer's weight sync types its
-engines without importing the rollout package.
+`dsv4rl.engine_client.client.EngineClient` implements it over HTTP (for SGLang and the reference engine
+alike); tests stand in with fakes. It lives here, below both sides, so the trainer's weight sync types its
+engines without importing the engine client.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dsv4rl.config.schema import Config
 from dsv4rl.model.model_dir import materialize_model
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.train.batch import TrainBatch
 from dsv4rl.train.checkpoint import checkpoint_dir, latest_checkpoint
 from dsv4rl.train.fsdp.backend import FSDPBackend

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from dsv4rl.config.schema import Config, ModelConfig, TinyModelConfig
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.replay import ChoiceRecorder, indexer_layers, score_routed_layers
-from dsv4rl.rollout.types import Sample
+from dsv4rl.samples import Sample
 from dsv4rl.train.batch import TrainBatch
 
 TINY = TinyModelConfig(index_topk=2)  # the indexer keeps 2 of up to 10 entries: choices can flip

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from dsv4rl.rollout.client import EngineError, EnginePool
+from dsv4rl.engine_client.client import EngineError, EnginePool
 
 
 def test_generate_spreads_over_engines(new_app, client_for):

@@ -7,8 +7,8 @@ import asyncio
 import httpx
 
 from dsv4rl.config.schema import EngineConfig
-from dsv4rl.rollout.client import EngineClient
-from dsv4rl.rollout.engines import freeze_engines_gc
+from dsv4rl.engine_client.client import EngineClient
+from dsv4rl.engine_client.engines import freeze_engines_gc
 
 
 def test_every_engine_is_asked_to_freeze_its_garbage_collector() -> None:

@@ -8,7 +8,7 @@ import socket
 import httpx
 import pytest
 
-from dsv4rl.rollout.client import EngineClient, EngineError, server_message
+from dsv4rl.engine_client.client import EngineClient, EngineError, server_message
 
 URL = "http://engine-a:30000"
 

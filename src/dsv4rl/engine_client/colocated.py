@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Sequence
 
 from dsv4rl.config.schema import MemoryTag
-from dsv4rl.rollout.client import EngineClient, EnginePool
+from dsv4rl.engine_client.client import EngineClient, EnginePool
 
 __all__ = ["ColocatedEngines", "KV_AND_GRAPHS"]
 

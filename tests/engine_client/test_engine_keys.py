@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from dsv4rl.config.schema import Config, RolloutMode
-from dsv4rl.rollout.engine_keys import (
+from dsv4rl.engine_client.engine_keys import (
     ADMIN_KEY_ENV,
     API_KEY_ENV,
     EngineKeys,

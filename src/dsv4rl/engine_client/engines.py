@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dsv4rl.config.schema import Config
-from dsv4rl.rollout.client import EngineClient
-from dsv4rl.rollout.engine_keys import run_engine_keys
+from dsv4rl.engine_client.client import EngineClient
+from dsv4rl.engine_client.engine_keys import run_engine_keys
 from dsv4rl.topology import topology
 from dsv4rl.wire.engine_api import EngineAPI
 
