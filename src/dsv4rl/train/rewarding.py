@@ -18,14 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dsv4rl.config.schema import ChatFormat, Config
-from dsv4rl.data.chat_format import user_messages
 from dsv4rl.data.chat_response import ResponseParser, ResponseParts
 from dsv4rl.data.problems import Problem
-from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.results import Outcome
 from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.rollout.choices import ChoiceRequest
 from dsv4rl.rollout.generate import generate_samples, rollout_seed
+from dsv4rl.rollout.reward_inputs import reward_inputs
 from dsv4rl.rollout.trajectory import final_turn_text, generate_trajectories
 from dsv4rl.rollout.types import Sample
 
@@ -34,47 +33,6 @@ OVERLAP_CALLS_PER_ENGINE = 8
 # Split the generation into those calls once the last round's scoring took longer than this share of its
 # generation: below it the calls cost more (HTTP, the engine's batching) than the overlap hides.
 OVERLAP_WHEN = 0.5
-
-
-def reward_inputs(
-    problem: Problem,
-    samples: Sequence[Sample],
-    parts: Sequence[ResponseParts] | None,
-    step: int,
-    first_index: int,
-    chat: bool,
-    final_texts: Sequence[str] = (),
-) -> list[RewardInput]:
-    """The `RewardInput`s of one prompt's samples (`first_index`: the first one's index in the step;
-    `final_texts`: each multi-turn sample's last turn as text, its answer without a chat format)."""
-    out = []
-    for offset, sample in enumerate(samples):
-        part = parts[offset] if parts is not None else None
-        trajectory = sample.trajectory
-        whole = sample.response_text if trajectory is None else final_texts[offset]
-        out.append(
-            RewardInput(
-                prompt=problem.prompt,
-                response=sample.response_text,
-                answer=part.answer if part is not None else whole,
-                reasoning=part.reasoning if part is not None else "",
-                ground_truth=problem.answer,
-                metadata=dict(problem.metadata),
-                messages=user_messages(problem.prompt) if chat else None,
-                prompt_ids=list(sample.prompt_ids),
-                response_ids=list(sample.response_ids),
-                finish_reason=sample.finish_reason,
-                step=step,
-                index=first_index + offset,
-                group=sample.group,
-                problem_id=problem.id,
-                conversation=None if trajectory is None else list(trajectory.messages),
-                turns=1 if trajectory is None else len(trajectory.turns),
-                tool_calls=0 if trajectory is None else trajectory.tool_calls,
-                tool_rewards=[] if trajectory is None else trajectory.tool_rewards,
-            )
-        )
-    return out
 
 
 def calls_for(rewards: RewardSet) -> int:
