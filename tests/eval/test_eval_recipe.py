@@ -64,6 +64,14 @@ def test_the_pass_threshold_is_the_positive_weight_sum_unless_set() -> None:
     assert pass_threshold(short) == 1.0 and describe_reward(short.reward) == "reward.fns: arith (weight 1)"
 
 
+def test_a_pass_threshold_without_the_recipes_reward_is_refused() -> None:
+    from dsv4rl.checks.validate import validate
+
+    with pytest.raises(ConfigError, match=r"eval.pass_reward=0.5 .* set eval.scored_by=recipe"):
+        validate(compose("tiny_arith", ["eval.pass_reward=0.5"]))
+    validate(compose("tiny_arith", ["eval.pass_reward=0.5", "eval.scored_by=recipe"]))  # periodic evals too
+
+
 def saved(tmp_path: Path, answers: list[str]) -> Path:
     """Saved responses for the first tiny_arith problems (0+0, 0+1, ...), each answer once."""
     path = tmp_path / "responses.jsonl"
