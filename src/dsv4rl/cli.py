@@ -225,7 +225,7 @@ def eval_command(
     eval_set: Annotated[
         str | None,
         typer.Argument(
-            metavar="[EVAL_SET]",
+            metavar="EVAL_SET",
             help="The eval set: aime24, math500, gsm8k, dapo_math_holdout, tiny_arith (recipes/eval/), "
             "graded by its own grader with its own sampling. Left out: the recipe's task, its eval set's "
             "problems sampled with algo.sampling and graded by its reward.fns.",

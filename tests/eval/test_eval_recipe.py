@@ -132,6 +132,8 @@ def test_the_recipes_functions_grade_and_the_report_names_them(tmp_path: Path) -
         "scored by the recipe's reward.fns: always_one (weight 1); pass at reward >= 1"
         in console.file.getvalue()
     )
+    render_eval({**mine, "pass@1": 0.0, "avg@2": 0.5}, console)
+    assert "no response reached reward 1 (mean reward 0.5)" in console.file.getvalue()
     render_eval(named, console)
     assert "scored by the eval set's grader arith" in console.file.getvalue()
 

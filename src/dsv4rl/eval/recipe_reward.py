@@ -99,7 +99,8 @@ class RecipeReward:
         self.threshold = pass_threshold(cfg)
         self.name = describe_reward(cfg.reward)
         self.chat = cfg.data.chat_format != ChatFormat.none
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # its own, for saved responses
+        self._used: asyncio.AbstractEventLoop | None = None
         self._started = False
 
     def grade(
@@ -135,6 +136,7 @@ class RecipeReward:
         loop = event_loop
         if loop is None:
             loop = self._loop = self._loop or asyncio.new_event_loop()
+        self._used = loop  # where the remote and judge clients live: closed there
         start = time.monotonic()
         scored = loop.run_until_complete(self._score(groups, first))
         seconds = time.monotonic() - start
@@ -177,7 +179,10 @@ class RecipeReward:
         return {"grader": self.name, "scored_by": "recipe", "pass_reward": self.threshold}
 
     def close(self) -> None:
+        """The worker pool and the HTTP clients (on the loop that scored, while it is open)."""
+        used = self._used
+        if used is not None and not used.is_closed() and not used.is_running():
+            used.run_until_complete(self.rewards.aclose())
         if self._loop is not None:
-            self._loop.run_until_complete(self.rewards.aclose())
             self._loop.close()
         self.rewards.close()
