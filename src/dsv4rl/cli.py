@@ -212,11 +212,9 @@ def _align_attribute(
         render_attribution(report, console)
 
 
-def _split_eval_args(args: list[str]) -> tuple[str, list[str]]:
-    """`recipe=` (default tiny_arith) and the overrides; `data.path=` names the eval set's file here."""
-    if not any(a.startswith("recipe=") for a in args):
-        args = ["recipe=tiny_arith", *args]
-    recipe, overrides = _split_recipe(args)
+def _split_eval_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """`recipe=` (None when not given) and the overrides; `data.path=` names the eval set's file here."""
+    recipe, overrides = _split_recipe(args) if any(a.startswith("recipe=") for a in args) else (None, args)
     return recipe, [
         f"eval.dataset={a.removeprefix('data.path=')}" if a.startswith("data.path=") else a for a in overrides
     ]
@@ -225,17 +223,22 @@ def _split_eval_args(args: list[str]) -> tuple[str, list[str]]:
 @app.command("eval")
 def eval_command(
     eval_set: Annotated[
-        str,
+        str | None,
         typer.Argument(
-            help="The eval set: aime24, math500, gsm8k, dapo_math_holdout, tiny_arith (recipes/eval/)."
+            metavar="EVAL_SET",
+            help="The eval set: aime24, math500, gsm8k, dapo_math_holdout, tiny_arith (recipes/eval/), "
+            "graded by its own grader with its own sampling. Left out: the recipe's task, its eval set's "
+            "problems sampled with algo.sampling and graded by its reward.fns.",
+            show_default=False,
         ),
-    ],
+    ] = None,
     args: Annotated[
         list[str] | None,
         typer.Argument(
-            metavar="[recipe=NAME] [OVERRIDES]...",
-            help="The recipe whose model and engines to evaluate (default tiny_arith), then Hydra overrides; "
-            "data.path=<file> is the eval set's file (or set DSV4RL_DATA_DIR).",
+            metavar="[recipe=NAME] [checkpoint=RUN] [OVERRIDES]...",
+            help="The recipe whose model and engines to evaluate (default tiny_arith; with checkpoint= and "
+            "no set, the run's own saved config), then Hydra overrides; data.path=<file> is the eval set's "
+            "file (or set DSV4RL_DATA_DIR).",
             show_default=False,
         ),
     ] = None,
@@ -256,6 +259,8 @@ def eval_command(
 ) -> None:
     """Score a model on an eval set: unbiased pass@k (k = 1, 2, 4, ... n), avg@n, maj@n, truncation.
 
+    With no eval set named, the recipe's own task: its reward functions grade (a response passes when its
+    reward total reaches eval.pass_reward, default the functions' weight sum) and avg@n is the mean reward.
     Starts the recipe's engines (the reference engine on CPU, SGLang on GPUs) under the node supervisor,
     samples n responses per problem, grades them and writes <run.dir>/eval/<set>/eval.json. With
     --responses no engine starts: the saved responses are graded.
@@ -271,10 +276,14 @@ def eval_command(
     from dsv4rl.eval.view import render_eval
     from dsv4rl.export.for_eval import split_checkpoint_arg
     from dsv4rl.launcher.eval_run import eval_config, run_eval
+    from dsv4rl.reward.results import RewardError
 
     console = Console(stderr=True) if as_json else Console()
     try:
-        checkpoint, plain_args = split_checkpoint_arg(list(args or []))
+        words = list(args or [])
+        if eval_set is not None and "=" in eval_set:  # the first word is an override: no eval set named
+            eval_set, words = None, [eval_set, *words]
+        checkpoint, plain_args = split_checkpoint_arg(words)
         recipe, overrides = _split_eval_args(plain_args)
         cfg = eval_config(eval_set, recipe, overrides, checkpoint, responses, chosen, console)
         report, report_path = run_eval(
@@ -282,6 +291,9 @@ def eval_command(
         )
     except ValueError as exc:  # ConfigError, ExportError, EvalDataError, ResponsesError: named problems
         raise _fail(str(exc)) from None
+    except RewardError as exc:  # the recipe's reward failed on the saved responses: loud, never a low score
+        Console(stderr=True).print(Text(f"error: {exc}", style="red"), soft_wrap=True)
+        raise typer.Exit(code=1) from None
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:

@@ -21,11 +21,12 @@ from dsv4rl.eval.view import render_eval
 from dsv4rl.model.tiny import run_tokenizer
 
 SAMPLES = 4
-# What a single-turn eval report held before tools existed: it must not change
+# What a single-turn eval report held before tools existed: it must not change (`scored_by`, which says
+# the eval set's grader scored it, came with the recipe-scored eval)
 SINGLE_TURN_KEYS = {
     "pass@1", "pass@2", "pass@4", "avg@4", "maj@4", "truncation_ratio", "response_len_mean", "problems",
-    "samples_per_problem", "eval", "dataset", "grader", "sampling", "seconds", "grading", "chat_format",
-    "thinking", "engines", "unknown_ids", "missing", "per_problem",
+    "samples_per_problem", "eval", "dataset", "grader", "scored_by", "sampling", "seconds", "grading",
+    "chat_format", "thinking", "engines", "unknown_ids", "missing", "per_problem",
 }  # fmt: skip
 
 

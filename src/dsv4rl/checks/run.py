@@ -12,6 +12,7 @@ from dsv4rl.config.schema import (
     LAYER_TYPES,
     MLP_TYPES,
     Config,
+    EvalScoredBy,
     EvalSet,
     GraderName,
     LoggerKind,
@@ -293,6 +294,12 @@ def check_eval(cfg: Config, add: Add) -> None:
         add(f"eval.grader={e.grader!r} is unknown; choose one of {', '.join(GRADERS)}")
     if e.every_steps < 0:
         add(f"eval.every_steps must be >= 0 (got {e.every_steps}; 0: no periodic evaluation)")
+    if e.pass_reward is not None and e.scored_by != EvalScoredBy.recipe:
+        add(
+            f"eval.pass_reward={e.pass_reward} sets when the recipe's reward counts a response as correct, "
+            f"but the eval set's grader scores this eval: drop it, or set eval.scored_by=recipe (`dsv4rl "
+            "eval` without an eval set does)"
+        )
     if e.holdout < 0:
         add(f"eval.holdout must be >= 0 (got {e.holdout})")
     if e.name not in list(EvalSet):

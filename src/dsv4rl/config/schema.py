@@ -294,6 +294,13 @@ class EvalSet(Choice):
     dapo_math_holdout = "dapo_math_holdout"  # the last rows of DAPO-Math-17K, held out of training
 
 
+class EvalScoredBy(Choice):
+    """What grades an eval (docs/eval.md): the eval set's `eval.grader`, or the recipe's own reward."""
+
+    eval_set = "eval_set"  # `dsv4rl eval <set>`: the set's grader and sampling
+    recipe = "recipe"  # `dsv4rl eval recipe=...` (no set named): reward.fns and algo.sampling's caps
+
+
 class ClusterKind(Choice):
     local = "local"
     slurm = "slurm"
@@ -688,6 +695,11 @@ class EvalConfig:
     chat_format: ChatFormat | None = None
     thinking: bool | None = None
     reasoning_effort: ReasoningEffort | None = None
+    # recipe: graded by the recipe's reward (reward.fns, remote, judge; `dsv4rl eval` with no set named sets
+    # it); a response passes when its weighted reward total reaches pass_reward (null: the weight sum of
+    # the functions with a positive weight, every function's full score of 1.0)
+    scored_by: EvalScoredBy = EvalScoredBy.eval_set
+    pass_reward: float | None = None
 
 
 @dataclass

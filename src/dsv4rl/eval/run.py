@@ -18,11 +18,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from dsv4rl.config.schema import ChatFormat, Config, EvalConfig
+from dsv4rl.config.schema import ChatFormat, Config, EvalConfig, EvalScoredBy
 from dsv4rl.data.chat_format import PromptRenderer, eval_chat_settings
 from dsv4rl.data.chat_response import ResponseParser, response_split_metrics, split_saved_response
 from dsv4rl.data.problems import Problem
 from dsv4rl.eval.data import eval_problems
+from dsv4rl.eval.recipe_reward import RecipeReward
 from dsv4rl.eval.scores import ProblemResult, problem_row, score_problems
 from dsv4rl.eval.tools import eval_multi_turn, final_texts, generate_with_tools, tool_report
 from dsv4rl.reward.graders import DEFAULT_MAX_ERROR_FRACTION, Graded, Grader, get_grader, grade_responses
@@ -37,6 +38,7 @@ __all__ = [
     "evaluate_on_engines",
     "evaluate_responses",
     "evaluate_saved",
+    "grader_fields",
     "write_report",
 ]
 
@@ -47,10 +49,21 @@ class ResponsesError(ValueError):
     """A saved-responses file that cannot be graded; the message names the line and the fix."""
 
 
-def eval_grader(cfg: Config) -> Grader:
-    """The recipe's eval grader in a worker pool: every call (the answers maj@n votes on too) under
-    `reward.timeout_s`, in `reward.num_workers` processes, so no response can stall an eval."""
+def eval_grader(cfg: Config) -> Grader | RecipeReward:
+    """The eval set's grader in a worker pool: every call (the answers maj@n votes on too) under
+    `reward.timeout_s`, in `reward.num_workers` processes, so no response can stall an eval. With
+    `eval.scored_by: recipe`, the recipe's reward instead (`RecipeReward`, isolated as in training)."""
+    if cfg.eval.scored_by == EvalScoredBy.recipe:
+        return RecipeReward(cfg)
     return get_grader(cfg.eval.grader, reward=cfg.reward, pooled=True)
+
+
+def grader_fields(cfg: EvalConfig, grader: Grader | RecipeReward) -> dict[str, Any]:
+    """What the report says scored it: `grader` (the eval set's grader's name, or the recipe's functions
+    with their weights) and `scored_by` (eval_set | recipe)."""
+    if isinstance(grader, RecipeReward):
+        return grader.report_fields()
+    return {"grader": cfg.grader, "scored_by": EvalScoredBy.eval_set.value}
 
 
 def grade_results(
@@ -103,7 +116,6 @@ def build_report(
         **score_problems(results),
         "eval": cfg.name,
         "dataset": cfg.dataset,
-        "grader": cfg.grader,
         "sampling": asdict(cfg.sampling) if sampled else None,  # saved responses: not sampled here
         "seconds": seconds,
         "grading": graded.summary(),  # timeouts, errors by exception type, pool restarts
@@ -117,7 +129,7 @@ def evaluate_on_engines(
     problems: Sequence[Problem],
     clients: Sequence[EngineAPI],
     tokenizer: Any,
-    grader: Grader,
+    grader: Grader | RecipeReward,
     event_loop: asyncio.AbstractEventLoop,
     seed: int | None,
 ) -> dict[str, Any]:
@@ -141,7 +153,7 @@ def evaluate_on_engines(
     ]
     responses = [[s.response_text for s in group] for group in by_problem]
     finals = [final_texts(renderer, group) for group in by_problem]  # single turn: the responses
-    answer_parts, split = (finals if multi is not None else None), {}
+    answer_parts, split, parts = (finals if multi is not None else None), {}, None
     if renderer.settings.format == ChatFormat.deepseek_v4:  # graders read the answer part
         parser = ResponseParser(renderer)
         parts = [
@@ -152,15 +164,22 @@ def evaluate_on_engines(
         split = response_split_metrics([part for group in parts for part in group])
     if multi is not None:
         split = {**split, "rollout_mode": cfg.rollout.mode.value, **tool_report(samples)}
-    results, grade_s, graded = grade_results(
-        problems, responses, grader, by_problem, cfg.reward.max_error_fraction, answer_parts
-    )
+    if isinstance(grader, RecipeReward):
+        results, grade_s, graded, fn_means = grader.grade(
+            problems, responses, event_loop, by_problem, parts, final_texts=finals
+        )
+        split = {**split, "reward_functions": fn_means}
+    else:
+        results, grade_s, graded = grade_results(
+            problems, responses, grader, by_problem, cfg.reward.max_error_fraction, answer_parts
+        )
     return build_report(
         e,
         results,
         {"generate": generate_s, "grade": grade_s},
         True,
         graded,
+        **grader_fields(e, grader),
         chat_format=renderer.settings.format.value,
         thinking=renderer.settings.thinking,
         **split,
@@ -198,7 +217,7 @@ def evaluate_responses(
     cfg: EvalConfig,
     problems: Sequence[Problem],
     path: Path,
-    grader: Grader,
+    grader: Grader | RecipeReward,
     max_error_fraction: float = DEFAULT_MAX_ERROR_FRACTION,
     chat_format: ChatFormat = ChatFormat.none,
 ) -> dict[str, Any]:
@@ -233,13 +252,20 @@ def evaluate_responses(
     if chat_format == ChatFormat.deepseek_v4:
         answer_parts = [[split_saved_response(text)[1] for text in group] for group in texts]
         split = {"chat_format": chat_format.value}
-    results, grade_s, grading = grade_results(graded, texts, grader, None, max_error_fraction, answer_parts)
+    if isinstance(grader, RecipeReward):
+        results, grade_s, grading, fn_means = grader.grade(graded, texts, answer_parts=answer_parts)
+        split = {**split, "reward_functions": fn_means}
+    else:
+        results, grade_s, grading = grade_results(
+            graded, texts, grader, None, max_error_fraction, answer_parts
+        )
     return build_report(
         cfg,
         results,
         {"grade": grade_s},
         False,
         grading,
+        **grader_fields(cfg, grader),
         **split,
         responses_file=str(path),
         unknown_ids=unknown,

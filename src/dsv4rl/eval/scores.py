@@ -30,6 +30,7 @@ class ProblemResult:
     lengths: list[int] | None = None
     truncated: list[bool] | None = None
     responses: list[str] = field(default_factory=list, repr=False)
+    rewards: list[float] | None = None  # each sample's reward total when the recipe's reward scored it
 
     @property
     def samples(self) -> int:
@@ -69,7 +70,9 @@ def score_problems(results: Sequence[ProblemResult]) -> dict[str, float | int | 
     scores: dict[str, float | int | None] = {}
     for k in pass_ks(n):
         scores[f"pass@{k}"] = sum(pass_at_k(n, sum(r.correct), k) for r in results) / len(results)
-    scores[f"avg@{n}"] = sum(sum(r.correct) / n for r in results) / len(results)
+    # avg@n: the mean accuracy; scored by the recipe's reward, the mean reward total
+    per_sample = [r.rewards if r.rewards is not None else r.correct for r in results]
+    scores[f"avg@{n}"] = sum(sum(values) / n for values in per_sample) / len(results)
     scores[f"maj@{n}"] = sum(majority_correct(r.final_answers, r.correct) for r in results) / len(results)
     truncated = [t for r in results if r.truncated is not None for t in r.truncated]
     lengths = [n_tokens for r in results if r.lengths is not None for n_tokens in r.lengths]
@@ -94,4 +97,5 @@ def problem_row(result: ProblemResult) -> dict[str, object]:
         "majority_answer": stated[0][0] if stated else None,
         "majority_correct": majority_correct(result.final_answers, result.correct),
         "truncated": sum(result.truncated) if result.truncated is not None else None,
+        **({"reward_mean": sum(result.rewards) / n} if result.rewards is not None else {}),
     }

@@ -64,7 +64,20 @@ def render_eval(report: dict[str, Any], console: Console, report_path: str | Non
         if sampling is not None
         else f"saved responses ({report.get('responses_file')})"
     )
-    console.print(f"grader {report['grader']}, {how}; {timing}")
+    scored_by = report.get("scored_by", "eval_set")
+    if scored_by == "recipe":
+        graded = f"scored by the recipe's {report['grader']}; pass at reward >= {report['pass_reward']:g}"
+    else:
+        graded = f"scored by the eval set's grader {report['grader']}"
+    console.print(f"{graded}, {how}; {timing}", soft_wrap=True)
+    mean = next((report[k] for k in report if k.startswith("avg@")), 0.0)
+    if scored_by == "recipe" and report.get("pass@1") == 0 and mean > 0:  # rewarded, yet nothing passes
+        console.print(
+            f"[yellow]no response reached reward {report['pass_reward']:g} (mean reward {mean:.4g}): a "
+            "function that never gives its full 1.0, or a penalty, keeps the total below the weight sum; "
+            "set eval.pass_reward to the total that counts as correct[/yellow]",
+            soft_wrap=True,
+        )
     console.print(f"weights: {describe_weights(report.get('weights'))}", soft_wrap=True)
     grading = report.get("grading") or {}
     if grading.get("timeouts") or grading.get("errors"):

@@ -55,10 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for client in clients:
             event_loop.run_until_complete(client.aclose())
-        event_loop.close()
         close = getattr(grader, "close", None)
         if close is not None:
-            close()
+            close()  # before the loop closes: the recipe's remote and judge clients close on it
+        event_loop.close()
     return 0
 
 

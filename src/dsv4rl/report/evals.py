@@ -80,6 +80,8 @@ def collect_evals(run_dir: str | Path) -> list[EvalRow]:
             continue
         weights_step, weights = _weights(report, step, source)
         eval_set = str(report.get("eval", path.parent.name))
+        if report.get("scored_by") == "recipe":  # `dsv4rl eval` without a set: the recipe's own reward
+            eval_set += " (recipe's reward)"
         rows.append(EvalRow(source, eval_set, weights_step, weights, _scores(report), path))
     return sorted(rows, key=lambda r: (-1 if r.step is None else r.step, r.source != "training", r.eval_set))
 

@@ -18,14 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dsv4rl.config.schema import ChatFormat, Config
-from dsv4rl.data.chat_format import user_messages
 from dsv4rl.data.chat_response import ResponseParts
 from dsv4rl.data.problems import Problem
-from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.results import Outcome
 from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.rollout.choices import ChoiceRequest
 from dsv4rl.rollout.generate import generate_samples, rollout_seed
+from dsv4rl.rollout.reward_inputs import reward_inputs
 from dsv4rl.rollout.trajectory import final_turn_text, generate_trajectories
 from dsv4rl.samples import Sample
 from dsv4rl.train.driver import Driver
@@ -35,34 +34,6 @@ OVERLAP_CALLS_PER_ENGINE = 8
 # Split the generation into those calls once the last round's scoring took longer than this share of its
 # generation: below it the calls cost more (HTTP, the engine's batching) than the overlap hides.
 OVERLAP_WHEN = 0.5
-
-
-def reward_inputs(
-    problem: Problem,
-    samples: Sequence[Sample],
-    parts: Sequence[ResponseParts] | None,
-    final_texts: Sequence[str],
-    step: int,
-    first_index: int,
-    chat: bool,
-) -> list[RewardInput]:
-    """The `RewardInput`s of one prompt's samples (`first_index`: the first one's index in the step;
-    `final_texts`: each sample's last turn as text, its answer without a chat format)."""
-    out = []
-    for offset, (sample, final) in enumerate(zip(samples, final_texts, strict=True)):
-        part = parts[offset] if parts is not None else None
-        out.append(
-            RewardInput.from_sample(
-                sample,
-                problem,
-                step=step,
-                index=first_index + offset,
-                answer=part.answer if part is not None else final,
-                reasoning=part.reasoning if part is not None else "",
-                messages=user_messages(problem.prompt) if chat else None,
-            )
-        )
-    return out
 
 
 def calls_for(rewards: RewardSet) -> int:
@@ -172,7 +143,7 @@ class GroupScoring:
         )
         self.parts[group] = split
         first = self.first_index + group * len(samples)
-        inputs = reward_inputs(self.problems[group], samples, split, finals, self.step, first, self.chat)
+        inputs = reward_inputs(self.problems[group], samples, split, self.step, first, self.chat, finals)
         self.tasks[group] = asyncio.ensure_future(self.driver.rewards.score_group(inputs))
         self.tasks[group].add_done_callback(self._on_scored)
 
