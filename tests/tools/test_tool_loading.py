@@ -365,3 +365,48 @@ def test_schema_problems_open_and_empty_schemas():
         "unknown argument 'extra' (known: code, n, x, flag, items, opts, anything)",
         "argument 'n' must be integer, got str",
     ]
+
+
+def test_a_function_tool_may_take_the_data_row_and_a_state_the_model_never_sees():
+    from dsv4rl.data.problems import Problem
+    from dsv4rl.tools.lookup import LookupTool
+
+    def guess(number: int, problem, state: dict) -> str:
+        """Say whether `number` is the answer.
+
+        Args:
+            number: The guess.
+        """
+        state["tries"] = state.get("tries", 0) + 1
+        verdict = "right" if str(number) == problem.answer else "wrong"
+        return f"{verdict} (try {state['tries']})"
+
+    tool = FunctionTool(guess)
+    assert tool.schema["parameters"]["properties"] == {
+        "number": {"type": "integer", "description": "The guess."}
+    }
+    assert tool.schema["parameters"]["required"] == ["number"]
+    row = Problem("3+4=", "7", "p1", metadata={"secret": "7"})
+
+    async def go() -> list[str]:
+        first, second = await tool.open(row), await tool.open(Problem("1+1=", "2", "p2"))
+        said = [(await tool.call(first, {"number": 5})).text, (await tool.call(first, {"number": 7})).text]
+        # the model cannot set the context: its `problem` argument is replaced by the row
+        said.append((await tool.call(second, {"number": 2, "problem": row})).text)
+        return said
+
+    assert asyncio.run(go()) == ["wrong (try 1)", "right (try 2)", "right (try 1)"]
+
+    def lookup(problem) -> str:  # the tiny tool task's tool, written as a function
+        """Look up the hidden value of this problem."""
+        return problem.metadata.get("secret", problem.answer)
+
+    async def both() -> tuple[str, str]:
+        as_function, builtin = FunctionTool(lookup), LookupTool()
+        return (
+            (await as_function.call(await as_function.open(row), {})).text,
+            (await builtin.call(await builtin.open(row), {})).text,
+        )
+
+    assert asyncio.run(both()) == ("7", "7")
+    assert FunctionTool(lookup).schema["parameters"]["properties"] == {}

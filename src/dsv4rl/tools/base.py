@@ -111,17 +111,24 @@ def _param_docs(doc: str) -> dict[str, str]:
     return out
 
 
-def function_schema(function: Callable[..., Any], name: str | None = None) -> dict[str, Any]:
+# A function tool's parameters that the rollout fills, never the model: the data row the trajectory answers
+# and a dict that lives as long as the trajectory (what a class tool keeps in its `open` state).
+CONTEXT_PARAMETERS = ("problem", "state")
+
+
+def function_schema(
+    function: Callable[..., Any], name: str | None = None, skip: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """A function's tool schema: its name, the docstring's first paragraph as the description, one
     property per parameter (typed from the annotation, described from the docstring's Args section),
-    parameters without a default required."""
+    parameters without a default required. `skip`: parameters the model does not see (the context)."""
     signature = inspect.signature(function)
     hints = typing.get_type_hints(function) if not isinstance(function, functools.partial) else {}
     doc = inspect.getdoc(function) or ""
     described = _param_docs(doc)
     properties, required = {}, []
     for param in signature.parameters.values():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or param.name in skip:
             continue
         prop = _json_type(hints.get(param.name, param.annotation))
         if param.name in described:
@@ -136,20 +143,38 @@ def function_schema(function: Callable[..., Any], name: str | None = None) -> di
     }
 
 
+@dataclass
+class FunctionToolState:
+    """One trajectory's context for a function tool that declares it: the data row and a dict that lives
+    from the trajectory's first call to its last."""
+
+    problem: Any
+    state: dict[str, Any] = field(default_factory=dict)
+
+
 class FunctionTool:
-    """A plain function (sync or async) as a stateless tool. It returns a string, a number, a dict with
-    `text` (and optionally `reward`, `done`, `metrics`) or a `ToolResult`; a sync function runs in a
-    thread so it never blocks the rollout's event loop."""
+    """A plain function (sync or async) as a tool. It returns a string, a number, a dict with `text` (and
+    optionally `reward`, `done`, `metrics`) or a `ToolResult`; a sync function runs in a thread so it
+    never blocks the rollout's event loop. A parameter named `problem` gets the trajectory's data row and
+    one named `state` a dict kept across the trajectory's calls; the model sees neither (not in the
+    schema, and never taken from its arguments)."""
 
     def __init__(self, function: Callable[..., Any], name: str | None = None, schema: dict | None = None):
         self.function = function
-        self.schema = schema or function_schema(function, name)
+        try:
+            declared = inspect.signature(function).parameters
+        except (TypeError, ValueError):
+            declared = {}
+        self.context = tuple(p for p in CONTEXT_PARAMETERS if p in declared)
+        self.schema = schema or function_schema(function, name, skip=self.context)
         self.name = name or self.schema["name"]
 
-    async def open(self, problem: Any) -> None:
-        return None
+    async def open(self, problem: Any) -> FunctionToolState | None:
+        return FunctionToolState(problem) if self.context else None
 
     async def call(self, state: Any, args: dict[str, Any]) -> ToolResult:
+        if self.context:
+            args = {**args, **{name: getattr(state, name) for name in self.context}}
         if inspect.iscoroutinefunction(self.function):
             value = await self.function(**args)
         else:
