@@ -58,7 +58,8 @@ def measure(layer_type: str, seq_len: int, attention: str, query_chunk: int) -> 
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from dsv4rl.config.schema import AttentionImpl, TinyModelConfig
+    from dsv4rl.config.choices import AttentionImpl
+    from dsv4rl.config.model_schema import TinyModelConfig
     from dsv4rl.model.tiny import tiny_hf_config
     from dsv4rl.train.megatron import cpu_compat
     from dsv4rl.train.megatron.architecture import DeepseekV4Architecture, ParallelSizes, transformer_config

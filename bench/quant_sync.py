@@ -231,7 +231,7 @@ def measure_quantization(state: dict[str, torch.Tensor]) -> list[dict[str, Any]]
 
 # ---------------------------------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from dsv4rl.config.schema import ModelConfig
+    from dsv4rl.config.model_schema import ModelConfig
     from dsv4rl.model.model_dir import materialize_model
 
     mode_name = "quick" if args.quick else "full"

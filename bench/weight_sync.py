@@ -73,7 +73,7 @@ MODES: dict[str, dict[str, Any]] = {
 @torch.no_grad()
 def trainer_model(seed: int) -> torch.nn.Module:
     """The tiny model from `seed`, with tensors every seed initialises alike (zeros, ones) randomised."""
-    from dsv4rl.config.schema import ModelConfig
+    from dsv4rl.config.model_schema import ModelConfig
     from dsv4rl.model.tiny import build_tiny_model
     from dsv4rl.model.tokenizer import build_char_tokenizer
 
@@ -231,7 +231,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from dsv4rl.config.schema import ModelConfig
+    from dsv4rl.config.model_schema import ModelConfig
     from dsv4rl.model.model_dir import materialize_model
 
     mode = MODES["quick" if args.quick else "full"]

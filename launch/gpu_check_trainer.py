@@ -32,7 +32,8 @@ import torch.distributed as dist
 from gpu_check_summary import TRAINER_CHECKS  # beside this file: the checks the summary reads
 
 from dsv4rl.algo.grpo import token_logprobs
-from dsv4rl.config.schema import Config, Dtype, TrainBackend
+from dsv4rl.config.choices import Dtype, TrainBackend
+from dsv4rl.config.schema import Config
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.native_checkpoint import load_native_model
 from dsv4rl.samples import Sample

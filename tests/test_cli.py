@@ -285,7 +285,9 @@ def test_align_runs_the_align_task_in_its_own_dir_and_prints_the_report(monkeypa
 
 
 def test_align_refuses_a_checkpoint_in_another_format_before_starting(tmp_path, monkeypatch) -> None:
-    from dsv4rl.config.schema import ModelConfig, QuantConfig, QuantMode
+    from dsv4rl.config.choices import QuantMode
+    from dsv4rl.config.model_schema import ModelConfig
+    from dsv4rl.config.schema import QuantConfig
     from dsv4rl.model.model_dir import materialize_model
 
     monkeypatch.chdir(tmp_path)  # the default run.dir is relative

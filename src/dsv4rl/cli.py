@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dsv4rl.checks.validate import validate
+from dsv4rl.config.choices import AlignFeature, RolloutSort, Task
 from dsv4rl.config.compose import (
     ConfigError,
     compose,
@@ -25,7 +26,7 @@ from dsv4rl.config.compose import (
     list_recipes,
     to_yaml,
 )
-from dsv4rl.config.schema import AlignFeature, Config, RolloutSort, Task
+from dsv4rl.config.schema import Config
 
 app = typer.Typer(
     name="dsv4rl",
@@ -324,8 +325,7 @@ def export_command(
 ) -> None:
     """Write a training checkpoint (FSDP or Megatron, any layout) as a model directory: sharded
     safetensors with an index, config.json with the release's keys, the tokenizer, dsv4rl-export.json."""
-    from dsv4rl.config.choices import choice
-    from dsv4rl.config.schema import ExportFormat, QuantMode
+    from dsv4rl.config.choices import ExportFormat, QuantMode, choice
 
     try:
         chosen_format = choice(ExportFormat, fmt, "--format")

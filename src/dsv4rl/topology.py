@@ -26,8 +26,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dsv4rl.config.choices import RolloutEngineKind, SyncTransport, TrainBackend
 from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.schema import Config, RolloutEngineKind, SyncTransport, TrainBackend
+from dsv4rl.config.schema import Config
 
 WILDCARD = ("0.0.0.0", "::")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

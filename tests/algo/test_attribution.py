@@ -13,7 +13,7 @@ from dsv4rl.algo.attribution import (
     engine_groups,
     parse_configuration,
 )
-from dsv4rl.config.schema import AlignFeature
+from dsv4rl.config.choices import AlignFeature
 
 F = AlignFeature
 THREE = [F.routing_replay, F.fp32_lm_head, F.kv_fp8]

@@ -15,7 +15,8 @@ from dsv4rl.algo.families import (
     shape_rewards,
 )
 from dsv4rl.algo.grpo import group_advantages
-from dsv4rl.config.schema import AlgoConfig, AlgorithmName
+from dsv4rl.config.choices import AlgorithmName
+from dsv4rl.config.schema import AlgoConfig
 
 
 def test_every_family_has_a_row_in_every_table() -> None:

@@ -12,7 +12,7 @@ from dsv4rl.algo.grpo import (
     policy_loss,
     token_logprobs,
 )
-from dsv4rl.config.schema import KLEstimator, LossAggregation
+from dsv4rl.config.choices import KLEstimator, LossAggregation
 
 LN = math.log
 

@@ -11,9 +11,11 @@ import os
 import sys
 import tempfile
 import traceback
+import typing
 from pathlib import Path
 
 from dsv4rl.config import schema
+from dsv4rl.config.choices import FreezeGroup, RewardOnError
 from dsv4rl.config.compose import ConfigError, compose, list_groups
 
 RECIPE = "tiny_arith"
@@ -21,10 +23,10 @@ RECIPE = "tiny_arith"
 
 def enum_fields(cls: type = schema.Config, prefix: str = "") -> list[tuple[str, type[enum.StrEnum]]]:
     """(dotted key, its StrEnum) of every enum-typed key of the schema."""
-    hints = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)  # the schema spans modules (config.model_schema, config.choices)
     out = []
-    for name, f in hints.items():
-        kind = getattr(schema, f.type, None) if isinstance(f.type, str) else f.type
+    for name in (f.name for f in dataclasses.fields(cls)):
+        kind = hints[name]
         if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             out += enum_fields(kind, f"{prefix}{name}.")
         elif isinstance(kind, type) and issubclass(kind, enum.StrEnum):
@@ -36,8 +38,8 @@ def list_entry_cases() -> list[str]:
     """The enum keys of list entries (`reward.fns[].on_error`) and the enum values a list of strings takes
     (`train.freeze`'s groups): one entry of the list per value."""
     entry = "{{name: f, target: 'builtin:arith', on_error: {value}}}"
-    cases = [f"reward.fns=[{entry.format(value=value.value)}]" for value in schema.RewardOnError]
-    return cases + [f"train.freeze=[{group.value}]" for group in schema.FreezeGroup]
+    cases = [f"reward.fns=[{entry.format(value=value.value)}]" for value in RewardOnError]
+    return cases + [f"train.freeze=[{group.value}]" for group in FreezeGroup]
 
 
 def all_cases() -> list[str]:

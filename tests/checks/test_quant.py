@@ -8,8 +8,10 @@ import pytest
 from recipe_problems import validation_problems as problems
 
 from dsv4rl.checks.validate import validate
+from dsv4rl.config.choices import QuantMode, RolloutEngineKind
 from dsv4rl.config.compose import ConfigError, compose
-from dsv4rl.config.schema import Config, ModelConfig, QuantConfig, QuantMode, RolloutEngineKind
+from dsv4rl.config.model_schema import ModelConfig
+from dsv4rl.config.schema import Config, QuantConfig
 from dsv4rl.model.model_dir import materialize_model
 
 

@@ -10,8 +10,10 @@ import pytest
 
 from dsv4rl.checks import machine
 from dsv4rl.checks.run import check_model
+from dsv4rl.config.choices import RolloutEngineKind
 from dsv4rl.config.compose import compose
-from dsv4rl.config.schema import Config, ModelConfig, RolloutEngineKind
+from dsv4rl.config.model_schema import ModelConfig
+from dsv4rl.config.schema import Config
 from dsv4rl.model.model_dir import materialize_model
 
 

@@ -7,8 +7,8 @@ from recipe_problems import recipe_problems as problems
 
 from dsv4rl.checks import sglang_families
 from dsv4rl.checks.sglang_families import FINDINGS, FamilyFinding, check_families
+from dsv4rl.config.choices import DeviceKind
 from dsv4rl.config.compose import compose
-from dsv4rl.config.schema import DeviceKind
 from dsv4rl.config.sglang_choices import DeviceFamily
 from dsv4rl.quant.sglang_moe import DEVICE_FAMILY
 

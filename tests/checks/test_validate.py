@@ -10,17 +10,10 @@ import pytest
 from dsv4rl.checks import machine
 from dsv4rl.checks import validate as validate_module
 from dsv4rl.checks.validate import validate
+from dsv4rl.config.choices import CommBackend, QuantMode, RolloutEngineKind, TrainBackend
 from dsv4rl.config.compose import ConfigError, compose
-from dsv4rl.config.schema import (
-    CommBackend,
-    Config,
-    ModelConfig,
-    QuantConfig,
-    QuantMode,
-    RolloutEngineKind,
-    TinyModelConfig,
-    TrainBackend,
-)
+from dsv4rl.config.model_schema import ModelConfig, TinyModelConfig
+from dsv4rl.config.schema import Config, QuantConfig
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.topology import data_parallel_size
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from dsv4rl.config.choices import CommBackend, EvalSet, QuantMode, RolloutEngineKind, TrainBackend
 from dsv4rl.config.compose import (
     RECIPES_ENV,
     ConfigError,
@@ -21,15 +22,7 @@ from dsv4rl.config.compose import (
     to_dictconfig,
     to_yaml,
 )
-from dsv4rl.config.schema import (
-    CommBackend,
-    Config,
-    EvalSet,
-    QuantMode,
-    RolloutEngineKind,
-    TrainBackend,
-    TrainParallelConfig,
-)
+from dsv4rl.config.schema import Config, TrainParallelConfig
 
 REPO_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 

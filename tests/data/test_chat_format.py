@@ -13,8 +13,9 @@ import pytest
 
 from dataset_files import DATA, needs_data
 from dsv4rl.checks.validate import validate
+from dsv4rl.config.choices import ChatFormat, ReasoningEffort
 from dsv4rl.config.compose import ConfigError, compose
-from dsv4rl.config.schema import ChatFormat, DataConfig, ReasoningEffort
+from dsv4rl.config.schema import DataConfig
 from dsv4rl.data.chat_format import ChatFormatError, ChatSettings, PromptRenderer, check_chat_tokenizer
 from dsv4rl.data.datasets import DAPO_TEMPLATE, load_problems
 from dsv4rl.data.stream import build_prompt_stream, encode_problems

@@ -9,7 +9,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from dsv4rl.config.schema import ModelConfig
+from dsv4rl.config.model_schema import ModelConfig
 from dsv4rl.model.model_dir import materialize_model
 
 

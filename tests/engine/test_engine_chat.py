@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from dsv4rl.config.schema import ChatFormat
+from dsv4rl.config.choices import ChatFormat
 from dsv4rl.data.chat_format import ChatSettings, PromptRenderer
 
 

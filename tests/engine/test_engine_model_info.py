@@ -7,7 +7,7 @@ import asyncio
 
 from fastapi.testclient import TestClient
 
-from dsv4rl.config.schema import RolloutEngineKind
+from dsv4rl.config.choices import RolloutEngineKind
 from dsv4rl.sync.served_model import SGLANG_MODEL_INFO_KEYS, check_served_models
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4rl.config.schema import NumericsFeature
+from dsv4rl.config.choices import NumericsFeature
 from dsv4rl.engine.args import ServerArgs, parse_args
 from dsv4rl.engine.numerics import fp8_storage, numerics_features
 from dsv4rl.model.naming import copy_native_into

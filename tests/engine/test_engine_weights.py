@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from engine_helpers import RecordingReceiver, in_thread, wait_until
 
-from dsv4rl.config.schema import ModelConfig
+from dsv4rl.config.model_schema import ModelConfig
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.native_checkpoint import read_tensors
 from dsv4rl.wire.checksum import checksums, engine_checksum, overall_checksum
@@ -168,7 +168,8 @@ def test_checksums_and_update_from_disk(client, model_dir, tmp_path):
 
 
 def test_update_from_disk_refuses_another_format(client, tmp_path):
-    from dsv4rl.config.schema import QuantConfig, QuantMode
+    from dsv4rl.config.choices import QuantMode
+    from dsv4rl.config.schema import QuantConfig
 
     before = client.post("/weights_checker", json={"action": "checksum"}).json()["per_engine_checksum"]
     fp8 = materialize_model(

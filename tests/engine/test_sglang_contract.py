@@ -371,7 +371,8 @@ def test_extractor_reads_routes_bodies_keys_and_flags_from_a_wheel(tmp_path: Pat
 # ------------------------------------------------------------------------------------------- chat completions
 def judge_request_problems(contract: dict) -> list[str]:
     """The judge's /v1/chat/completions body (reward.judge) against SGLang's ChatCompletionRequest."""
-    from dsv4rl.config.schema import RewardJudgeConfig, RewardOnError
+    from dsv4rl.config.choices import RewardOnError
+    from dsv4rl.config.schema import RewardJudgeConfig
     from dsv4rl.reward.judge import CHAT_ROUTE, JudgeScorer
     from dsv4rl.reward.results import FnSpec
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4rl.config.schema import ModelConfig, QuantMode
+from dsv4rl.config.choices import QuantMode
+from dsv4rl.config.model_schema import ModelConfig
 from dsv4rl.engine.weight_store import DeepseekWeights, HeldWeights
 from dsv4rl.model.naming import native_slot, slot_view, state_dict_to_native
 from dsv4rl.model.native_checkpoint import dequantized_native_state, load_native_state

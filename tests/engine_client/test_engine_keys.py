@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dsv4rl.config.schema import Config, RolloutMode
+from dsv4rl.config.choices import RolloutMode
+from dsv4rl.config.schema import Config
 from dsv4rl.engine_client.engine_keys import (
     ADMIN_KEY_ENV,
     API_KEY_ENV,

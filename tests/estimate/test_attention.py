@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4rl.config.schema import AttentionImpl
+from dsv4rl.config.choices import AttentionImpl
 from dsv4rl.estimate.attention import AttentionShape, LayerType, layer_peak_bytes, release_layer_types
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "attention_memory.py"

@@ -12,8 +12,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from dsv4rl.cli import app
+from dsv4rl.config.choices import EvalScoredBy
 from dsv4rl.config.compose import ConfigError, compose
-from dsv4rl.config.schema import EvalScoredBy
 from dsv4rl.eval.recipe_reward import describe_reward, full_weight, pass_threshold
 from dsv4rl.eval.view import render_eval
 from dsv4rl.launcher.eval_run import eval_config

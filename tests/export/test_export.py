@@ -21,8 +21,8 @@ from fsdp_scenarios import make_batch  # noqa: E402
 
 from dsv4rl.algo.grpo import token_logprobs  # noqa: E402
 from dsv4rl.cli import app  # noqa: E402
+from dsv4rl.config.choices import QuantMode
 from dsv4rl.config.compose import compose  # noqa: E402
-from dsv4rl.config.schema import QuantMode  # noqa: E402
 from dsv4rl.export import sources  # noqa: E402
 from dsv4rl.export.run import EXPORT_FILE, export_checkpoint  # noqa: E402
 from dsv4rl.export.shards import INDEX_FILE, sha256_file  # noqa: E402

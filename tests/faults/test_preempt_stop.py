@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dsv4rl.checks.validate import validate
+from dsv4rl.config.choices import ResumeMode
 from dsv4rl.config.compose import ConfigError, compose
-from dsv4rl.config.schema import ResumeMode
 from dsv4rl.faults.stop import (
     STOP_FILE,
     StoppedRecord,

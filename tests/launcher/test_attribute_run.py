@@ -15,8 +15,9 @@ from dsv4rl.algo.attribution import (
     current_engine_flags,
     engine_report_file,
 )
+from dsv4rl.config.choices import AlignFeature
 from dsv4rl.config.compose import ConfigError, compose
-from dsv4rl.config.schema import AlignFeature, Config
+from dsv4rl.config.schema import Config
 from dsv4rl.launcher.align_view import render_attribution
 from dsv4rl.launcher.attribute_run import applicable_features, engine_runs, resolve_features, run_attribution
 

@@ -19,7 +19,9 @@ import torch
 from test_launch_scripts import conforms, gpu_check_summary_module
 
 from dsv4rl.algo.grpo import token_logprobs
-from dsv4rl.config.schema import Config, ModelConfig, QuantMode, SyncTransport
+from dsv4rl.config.choices import QuantMode, SyncTransport
+from dsv4rl.config.model_schema import ModelConfig
+from dsv4rl.config.schema import Config
 from dsv4rl.model.native_checkpoint import load_native_model, write_native_checkpoint
 from dsv4rl.model.tiny import build_tiny_model, load_tokenizer
 from dsv4rl.model.wire_format import WireFormat

@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 from dsv4rl.checks.estimate import check_memory_budget
 from dsv4rl.checks.validate import validate
 from dsv4rl.cli import app
+from dsv4rl.config.choices import DeviceKind, Dtype, QuantMode, RecomputeMode
 from dsv4rl.config.compose import ConfigError, compose
-from dsv4rl.config.schema import Config, DeviceKind, Dtype, QuantMode, RecomputeMode
+from dsv4rl.config.schema import Config
 from dsv4rl.estimate.devices import DEVICES
 from dsv4rl.estimate.memory import (
     GpuRole,

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from dsv4rl.config.choices import Dtype, RolloutEngineKind
 from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.schema import Config, Dtype, RolloutEngineKind
+from dsv4rl.config.schema import Config
 from dsv4rl.launcher.plan import (
     SGLANG_SITE,
     WEIGHT_SYNC_TIMEOUT_ENV,

@@ -15,8 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from dsv4rl.cli import app
+from dsv4rl.config.choices import QuantMode
 from dsv4rl.config.compose import compose
-from dsv4rl.config.schema import QuantConfig, QuantMode
+from dsv4rl.config.schema import QuantConfig
 from dsv4rl.engine_client.engine_keys import ensure_engine_keys_file, read_engine_keys
 from dsv4rl.model.model_dir import materialize_model
 from sglang_runner import needs_sglang

@@ -10,8 +10,9 @@ from typer.testing import CliRunner
 
 from dsv4rl.checks.validate import validate
 from dsv4rl.cli import app
+from dsv4rl.config.choices import ChatFormat, RolloutMode, TruncateSide
 from dsv4rl.config.compose import compose
-from dsv4rl.config.schema import ChatFormat, Config, RolloutMode, TruncateSide
+from dsv4rl.config.schema import Config
 
 ADDRS = ["cluster.node_addrs=[gpu-a01,gpu-a02,gpu-a03,gpu-a04]", "cluster.master_addr=gpu-a01"]
 runner = CliRunner()

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from test_supervisor import capture, engine_spec, free_port, trainer_spec, written_pids
 
+from dsv4rl.config.choices import ResumeMode
 from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.schema import Config, ResumeMode
+from dsv4rl.config.schema import Config
 from dsv4rl.launcher.plan import PortInUse, check_ports, port_is_free
 from dsv4rl.launcher.run import RunDirInUse, run_training
 from dsv4rl.launcher.run_lock import RunDirLocked, RunDirUnwritable, RunLock, lock_path

@@ -8,8 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from dsv4rl.cli import app
+from dsv4rl.config.choices import QuantMode, RecomputeMode
 from dsv4rl.config.compose import compose
-from dsv4rl.config.schema import Config, QuantMode, RecomputeMode
+from dsv4rl.config.schema import Config
 from dsv4rl.estimate.step_time import (
     flops_per_token_param,
     generated_tokens,

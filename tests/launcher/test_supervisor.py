@@ -22,7 +22,8 @@ import pytest
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from dsv4rl.config.schema import Config, ProcessRole
+from dsv4rl.config.choices import ProcessRole
+from dsv4rl.config.schema import Config
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT
 from dsv4rl.launcher.marker import DoneMarker, read_status, write_marker
 from dsv4rl.launcher.plan import PortInUse, ProcessSpec

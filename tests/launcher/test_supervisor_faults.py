@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dsv4rl.config.schema import ProcessRole
+from dsv4rl.config.choices import ProcessRole
 from dsv4rl.faults.inject import HANG_ENV, KILL_ENV
 from dsv4rl.launcher.plan import ProcessSpec
 from dsv4rl.launcher.supervisor import Supervisor

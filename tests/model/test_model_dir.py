@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 import dsv4rl.model.tiny as tiny
-from dsv4rl.config.schema import ModelConfig, QuantConfig, QuantMode
+from dsv4rl.config.choices import QuantMode
+from dsv4rl.config.model_schema import ModelConfig
+from dsv4rl.config.schema import QuantConfig
 from dsv4rl.model.model_dir import CACHE_ENV, cache_entry, materialize_model
 
 

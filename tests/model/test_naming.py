@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4rl.config.schema import ModelConfig
+from dsv4rl.config.model_schema import ModelConfig
 from dsv4rl.model.naming import (
     UnknownTensorName,
     copy_native_into,

@@ -6,7 +6,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dsv4rl.config.schema import ModelConfig, QuantConfig, QuantMode
+from dsv4rl.config.choices import QuantMode
+from dsv4rl.config.model_schema import ModelConfig
+from dsv4rl.config.schema import QuantConfig
 from dsv4rl.model.model_dir import ModelDirMismatch, materialize_model
 from dsv4rl.model.naming import state_dict_to_native
 from dsv4rl.model.native_checkpoint import (

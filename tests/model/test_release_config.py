@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from transformers import DeepseekV4Config
 
-from dsv4rl.config.schema import ModelConfig, QuantConfig, QuantMode, TinyModelConfig
+from dsv4rl.config.choices import QuantMode
+from dsv4rl.config.model_schema import ModelConfig, TinyModelConfig
+from dsv4rl.config.schema import QuantConfig
 from dsv4rl.model.model_dir import ModelDirMismatch, check_model_dir, materialize_model
 from dsv4rl.model.native_checkpoint import CheckpointError, load_hf_config, load_native_model
 from dsv4rl.model.release_config import (

@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dsv4rl.config.choices import ExportFormat, QuantMode, RolloutEngineKind
 from dsv4rl.config.compose import compose
-from dsv4rl.config.schema import ExportFormat, QuantConfig, QuantMode, RolloutEngineKind
+from dsv4rl.config.schema import QuantConfig
 from dsv4rl.export.run import export_checkpoint
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.native_checkpoint import checkpoint_format

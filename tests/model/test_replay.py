@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from dsv4rl.config.schema import ModelConfig, TinyModelConfig
+from dsv4rl.config.model_schema import ModelConfig, TinyModelConfig
 from dsv4rl.model.replay import (
     NO_CHOICE,
     ChoiceRecorder,

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from dsv4rl.config.schema import ModelConfig, NumericsFeature, TinyModelConfig
+from dsv4rl.config.choices import NumericsFeature
+from dsv4rl.config.model_schema import ModelConfig, TinyModelConfig
 from dsv4rl.model.sglang_numerics import apply_sglang_numerics, served_weight, sglang_features
 from dsv4rl.model.sglang_rounding import fp8_activation, fp8_kv_entry, round_bf16, round_tf32
 from dsv4rl.model.sinkhorn import use_fast_sinkhorn

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
 
-from dsv4rl.config.schema import ModelConfig
+from dsv4rl.config.model_schema import ModelConfig
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.native_checkpoint import load_native_model
 from dsv4rl.model.sinkhorn import FastSinkhornHyperConnection, sinkhorn, sinkhorn_rounds, use_fast_sinkhorn

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4rl.config.schema import ModelConfig, NumericsFeature, QuantMode, TinyModelConfig
+from dsv4rl.config.choices import NumericsFeature, QuantMode
+from dsv4rl.config.model_schema import ModelConfig, TinyModelConfig
 from dsv4rl.model.naming import hf_to_native
 from dsv4rl.model.sglang_numerics import apply_trainer_numerics, served_weight
 from dsv4rl.model.tiny import build_tiny_model

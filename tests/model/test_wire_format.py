@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from dsv4rl.config.schema import ModelConfig, QuantMode
+from dsv4rl.config.choices import QuantMode
+from dsv4rl.config.model_schema import ModelConfig
 from dsv4rl.model.naming import CheckpointKind, checkpoint_kind, state_dict_to_native
 from dsv4rl.model.tiny import build_tiny_model
 from dsv4rl.model.wire_format import WireFormat

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
+from dsv4rl.config.choices import DeviceKind, QuantMode
 from dsv4rl.config.compose import compose
-from dsv4rl.config.schema import DeviceKind, QuantMode
 from dsv4rl.config.sglang_choices import DeviceFamily, ExpertLoad, MoeRunnerBackend
 from dsv4rl.quant import sglang_env, sglang_moe
 from dsv4rl.quant.sglang_moe import MOE_PATHS, expert_load, moe_path, recipe_moe_path, restart_reason

@@ -15,8 +15,9 @@ from grader_rules import RaisingRule, SlowRule
 from rich.console import Console
 
 from dsv4rl.checks.validate import validate
+from dsv4rl.config.choices import RewardOnError
 from dsv4rl.config.compose import ConfigError, compose
-from dsv4rl.config.schema import EvalConfig, RewardConfig, RewardOnError
+from dsv4rl.config.schema import EvalConfig, RewardConfig
 from dsv4rl.data.problems import Problem
 from dsv4rl.eval.periodic import eval_metrics
 from dsv4rl.eval.run import eval_grader, evaluate_responses

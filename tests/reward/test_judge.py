@@ -9,7 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsv4rl.config.schema import RewardJudgeConfig, RewardOnError
+from dsv4rl.config.choices import RewardOnError
+from dsv4rl.config.schema import RewardJudgeConfig
 from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.judge import JudgeScorer, RateLimiter, render, reply_parser, template_problem
 from dsv4rl.reward.results import CallFailed, FnSpec
@@ -100,7 +101,7 @@ def engine_app(tmp_path: Path):  # noqa: ANN201
     import torch
     from fastapi.testclient import TestClient
 
-    from dsv4rl.config.schema import ModelConfig
+    from dsv4rl.config.model_schema import ModelConfig
     from dsv4rl.engine.server import create_app
     from dsv4rl.model.model_dir import materialize_model
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsv4rl.config.schema import RemoteRewardConfig, RewardOnError
+from dsv4rl.config.choices import RewardOnError
+from dsv4rl.config.schema import RemoteRewardConfig
 from dsv4rl.reward.http_retry import RewardHTTPError, backoff_seconds
 from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.remote import RemoteScorer

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from dsv4rl.checks.reward import signature_problem
-from dsv4rl.config.schema import RewardConfig, RewardFnConfig, RewardOnError
+from dsv4rl.config.choices import RewardOnError
+from dsv4rl.config.schema import RewardConfig, RewardFnConfig
 from dsv4rl.reward.combine import combine, function_metrics
 from dsv4rl.reward.graders import GRADERS, ArithGrader, grade_responses
 from dsv4rl.reward.inputs import RewardInput

@@ -17,8 +17,9 @@ from grader_rules import SlowRule
 from test_reward_fns import HERE, fn, samples
 
 from dsv4rl.checks.validate import validate
+from dsv4rl.config.choices import RewardOnError
 from dsv4rl.config.compose import ConfigError, compose
-from dsv4rl.config.schema import RewardConfig, RewardOnError
+from dsv4rl.config.schema import RewardConfig
 from dsv4rl.data.problems import Problem
 from dsv4rl.faults.proc_tree import process_table
 from dsv4rl.metrics import StepTimer

@@ -12,7 +12,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from dsv4rl.config.schema import ChatFormat, ModelConfig, SamplingConfig
+from dsv4rl.config.choices import ChatFormat
+from dsv4rl.config.model_schema import ModelConfig
+from dsv4rl.config.schema import SamplingConfig
 from dsv4rl.data.chat_format import ChatSettings, PromptRenderer
 from dsv4rl.data.problems import Problem
 from dsv4rl.engine_client.client import EngineClient

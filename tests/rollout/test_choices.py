@@ -12,7 +12,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from dsv4rl.config.schema import ModelConfig, SamplingConfig
+from dsv4rl.config.model_schema import ModelConfig
+from dsv4rl.config.schema import SamplingConfig
 from dsv4rl.data.problems import Problem
 from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.model.model_dir import materialize_model

@@ -11,7 +11,8 @@ import warnings
 import pytest
 from test_trajectory import CALL, EOS, PROBLEM, TOK, LookupLike, ScriptedEngine, make_runner, run, text
 
-from dsv4rl.config.schema import RolloutConfig, RolloutMode, SamplingConfig
+from dsv4rl.config.choices import RolloutMode
+from dsv4rl.config.schema import RolloutConfig, SamplingConfig
 from dsv4rl.rollout.env import EnvReset, EnvStep, UserEnv
 from dsv4rl.rollout.trajectory import TrajectoryRunner
 from dsv4rl.rollout.turn_format import AssistantMessage, AssistantTurn, ParsedCall, PlainFormat

@@ -22,7 +22,8 @@ from test_trajectory import (
     run,
 )
 
-from dsv4rl.config.schema import RolloutConfig, RolloutMode, SamplingConfig
+from dsv4rl.config.choices import RolloutMode
+from dsv4rl.config.schema import RolloutConfig, SamplingConfig
 from dsv4rl.data.problems import Problem
 from dsv4rl.rollout.env import EnvReset, EnvStep, UserEnv
 from dsv4rl.rollout.tool_failures import FailureLog, StepFailures, ToolFailure, ToolFailureError

@@ -12,7 +12,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from dsv4rl.config.schema import MalformedCall, RolloutConfig, RolloutMode, SamplingConfig, TruncateSide
+from dsv4rl.config.choices import MalformedCall, RolloutMode, TruncateSide
+from dsv4rl.config.schema import RolloutConfig, SamplingConfig
 from dsv4rl.data.problems import Problem
 from dsv4rl.model.tokenizer import build_char_tokenizer
 from dsv4rl.rollout.choices import ChoiceRequest

@@ -9,15 +9,8 @@ import asyncio
 
 import pytest
 
-from dsv4rl.config.schema import (
-    ChatFormat,
-    MalformedCall,
-    ReasoningEffort,
-    RolloutConfig,
-    RolloutMode,
-    SamplingConfig,
-    TitoCheck,
-)
+from dsv4rl.config.choices import ChatFormat, MalformedCall, ReasoningEffort, RolloutMode, TitoCheck
+from dsv4rl.config.schema import RolloutConfig, SamplingConfig
 from dsv4rl.data.chat_format import ChatSettings, PromptRenderer
 from dsv4rl.data.problems import Problem
 from dsv4rl.model.tokenizer import deepseek_v4_tokenizer

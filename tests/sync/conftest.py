@@ -14,7 +14,9 @@ import httpx
 import pytest
 from sync_helpers import ENGINE_SEED, ENGINE_TIMEOUT_S, free_port
 
-from dsv4rl.config.schema import ModelConfig, QuantConfig, QuantMode
+from dsv4rl.config.choices import QuantMode
+from dsv4rl.config.model_schema import ModelConfig
+from dsv4rl.config.schema import QuantConfig
 from dsv4rl.model.model_dir import materialize_model
 
 ENGINES = 2

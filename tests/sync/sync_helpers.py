@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from dsv4rl.config.schema import ModelConfig
+from dsv4rl.config.model_schema import ModelConfig
 from dsv4rl.model.tiny import build_tiny_model
 from dsv4rl.model.tokenizer import build_char_tokenizer
 

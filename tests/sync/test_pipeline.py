@@ -6,7 +6,7 @@ import pytest
 import torch
 from sync_helpers import trainer_model
 
-from dsv4rl.config.schema import QuantMode
+from dsv4rl.config.choices import QuantMode
 from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.sync.buckets import iter_buckets
 from dsv4rl.sync.pipeline import encode, native_names, wire_buckets

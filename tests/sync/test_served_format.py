@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4rl.config.schema import ExpertScaleDtype, QuantConfig, QuantMode, RolloutEngineKind
+from dsv4rl.config.choices import ExpertScaleDtype, QuantMode, RolloutEngineKind
+from dsv4rl.config.schema import QuantConfig
 from dsv4rl.model.native_checkpoint import CheckpointFormat
 from dsv4rl.quant.fp8 import E4M3
 from dsv4rl.quant.scales import E8M0

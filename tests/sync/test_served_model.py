@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dsv4rl.config.schema import ModelConfig, RolloutEngineKind, TinyModelConfig
+from dsv4rl.config.choices import RolloutEngineKind
+from dsv4rl.config.model_schema import ModelConfig, TinyModelConfig
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.sync.errors import WeightSyncError
 from dsv4rl.sync.served_model import SGLANG_MODEL_INFO_KEYS, check_served_models, served_dtype

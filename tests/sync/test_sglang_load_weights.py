@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import load_file
 from sglang_push import expected_sglang_params, push_buckets, write_requests
 
+from dsv4rl.config.choices import QuantMode, RolloutEngineKind
 from dsv4rl.config.compose import compose
-from dsv4rl.config.schema import QuantConfig, QuantMode, RolloutEngineKind
+from dsv4rl.config.schema import QuantConfig
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.native_checkpoint import checkpoint_format, read_config, read_tensors
 from dsv4rl.model.tiny import load_model, load_tokenizer

@@ -13,14 +13,8 @@ import httpx
 import torch
 from sync_helpers import TRAINER_SEED, quantized_copy, trainer_model, wire_tensors
 
-from dsv4rl.config.schema import (
-    MemoryTag,
-    QuantConfig,
-    QuantMode,
-    RolloutEngineKind,
-    SyncConfig,
-    SyncTransport,
-)
+from dsv4rl.config.choices import MemoryTag, QuantMode, RolloutEngineKind, SyncTransport
+from dsv4rl.config.schema import QuantConfig, SyncConfig
 from dsv4rl.engine.sglang_contract import load_contract, request_problems
 from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.engine_client.colocated import KV_AND_GRAPHS, ColocatedEngines

@@ -11,7 +11,8 @@ import httpx
 import pytest
 import torch
 
-from dsv4rl.config.schema import MemoryTag, SyncConfig, SyncTransport
+from dsv4rl.config.choices import MemoryTag, SyncTransport
+from dsv4rl.config.schema import SyncConfig
 from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.engine_client.colocated import KV_AND_GRAPHS, ColocatedEngines
 from dsv4rl.sync.weight_sync import WeightSync, WeightSyncError

@@ -14,7 +14,8 @@ import pytest
 import torch
 from sync_helpers import TRAINER_SEED, free_port, trainer_model
 
-from dsv4rl.config.schema import QuantConfig, QuantMode, RolloutEngineKind, SyncConfig, SyncVerifyConfig
+from dsv4rl.config.choices import QuantMode, RolloutEngineKind
+from dsv4rl.config.schema import QuantConfig, SyncConfig, SyncVerifyConfig
 from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.sync.served_format import check_served_formats
 from dsv4rl.sync.verify import (

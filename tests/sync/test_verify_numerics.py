@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from dsv4rl.config.schema import EngineNumerics, QuantMode, SyncVerifyConfig
+from dsv4rl.config.choices import EngineNumerics, QuantMode
+from dsv4rl.config.schema import SyncVerifyConfig
 from dsv4rl.sync.verify import PROBE_BOUNDS, SGLANG_NUMERICS_BOUND, SyncVerifier
 
 

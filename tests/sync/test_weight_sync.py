@@ -18,7 +18,8 @@ import pytest
 import torch
 from sync_helpers import TRAINER_SEED, free_port, quantized_copy, trainer_model, wire_tensors
 
-from dsv4rl.config.schema import QuantConfig, QuantMode, RolloutEngineKind, SyncConfig
+from dsv4rl.config.choices import QuantMode, RolloutEngineKind
+from dsv4rl.config.schema import QuantConfig, SyncConfig
 from dsv4rl.engine.sglang_contract import load_contract, request_problems
 from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.model.tokenizer import build_char_tokenizer

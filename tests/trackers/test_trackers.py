@@ -11,8 +11,8 @@ import pytest
 from tracker_readers import tensorboard_scalars, tensorboard_texts, wandb_config, wandb_history, wandb_summary
 
 from dsv4rl.checks.validate import ConfigError, validate
+from dsv4rl.config.choices import LoggerKind
 from dsv4rl.config.compose import compose
-from dsv4rl.config.schema import LoggerKind
 from dsv4rl.trackers.hub import Trackers, open_trackers
 from dsv4rl.trackers.outcome import record_outcome
 from dsv4rl.trackers.state import STATE_FILE, TrackerState, read_state

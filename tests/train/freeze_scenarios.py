@@ -19,7 +19,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fsdp"))  # the FSDP scenarios' helpers
 from fsdp_scenarios import config, make_batch  # noqa: E402
 
-from dsv4rl.config.schema import Config, TrainBackend  # noqa: E402
+from dsv4rl.config.choices import TrainBackend
+from dsv4rl.config.schema import Config
 from dsv4rl.model.freeze import FreezeError  # noqa: E402
 from dsv4rl.model.model_dir import materialize_model  # noqa: E402
 from dsv4rl.train.backend import build_backend  # noqa: E402

@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 from dsv4rl.algo.grpo import token_logprobs
-from dsv4rl.config.schema import AlignFeature, Config, ModelConfig, NumericsFeature
+from dsv4rl.config.choices import AlignFeature, NumericsFeature
+from dsv4rl.config.model_schema import ModelConfig
+from dsv4rl.config.schema import Config
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.naming import hf_to_native
 from dsv4rl.model.native_checkpoint import load_native_model

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4rl.config.schema import Config, TrainBackend
+from dsv4rl.config.choices import TrainBackend
+from dsv4rl.config.schema import Config
 from dsv4rl.train.backend import build_backend
 
 

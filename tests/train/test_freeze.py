@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from dsv4rl.checks.validate import validate
+from dsv4rl.config.choices import FreezeGroup
 from dsv4rl.config.compose import ConfigError, compose
-from dsv4rl.config.schema import Config, FreezeGroup
+from dsv4rl.config.schema import Config
 from dsv4rl.model.freeze import FreezeError, entry_problems, parse_entries
 from dsv4rl.model.tiny import build_tiny_model, load_tokenizer
 from dsv4rl.train.freeze import FrozenTensorChanged, fingerprint, freeze

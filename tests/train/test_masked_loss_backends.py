@@ -31,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "algo"))  # the hand-written loss
 from test_masked_loss import handwritten_loss  # noqa: E402
 
-from dsv4rl.config.schema import Config, TrainBackend  # noqa: E402
+from dsv4rl.config.choices import TrainBackend
+from dsv4rl.config.schema import Config
 from dsv4rl.train.batch import TrainBatch  # noqa: E402
 
 TIMEOUT_S = 300

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer import _get_param_groups
 
-from dsv4rl.config.schema import Config, TrainBackend
+from dsv4rl.config.choices import TrainBackend
+from dsv4rl.config.schema import Config
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.train.fsdp.backend import FSDPBackend
 from dsv4rl.train.megatron import convert

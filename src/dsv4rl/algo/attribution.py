@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from dsv4rl.config.schema import AlignFeature, Config
+from dsv4rl.config.choices import AlignFeature
+from dsv4rl.config.schema import Config
 
 Configuration = frozenset[AlignFeature]
 

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from dsv4rl.algo.dapo import keep_informative_groups, overlong_penalty
 from dsv4rl.algo.grpo import group_advantages
-from dsv4rl.config.schema import AlgoConfig, AlgorithmName
+from dsv4rl.config.choices import AlgorithmName
+from dsv4rl.config.schema import AlgoConfig
 
 # (algo, the reward functions' weighted sums, response lengths) -> rewards [N]
 RewardShaping = Callable[[AlgoConfig, Sequence[float], Sequence[int]], Tensor]

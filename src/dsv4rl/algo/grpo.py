@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from dsv4rl.config.schema import KLEstimator, LossAggregation
+from dsv4rl.config.choices import KLEstimator, LossAggregation
 
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: bounds ratios so one wild token cannot produce inf/nan
 

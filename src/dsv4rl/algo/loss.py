@@ -25,7 +25,8 @@ from torch import Tensor
 
 from dsv4rl.algo.grpo import aggregate, entropy_from_logits, kl_penalty, loss_aggregation, policy_loss
 from dsv4rl.algo.mismatch import correction_weights
-from dsv4rl.config.schema import AlgoConfig, KLEstimator, LossAggregation
+from dsv4rl.config.choices import KLEstimator, LossAggregation
+from dsv4rl.config.schema import AlgoConfig
 
 # What turns `aggregate(values, mask, mode)` of one micro-batch back into an additive sum over its
 # sequences or tokens (mirrors `dsv4rl.algo.grpo.AGGREGATE`).

@@ -7,7 +7,8 @@ loaders, so a bad row is refused at once with its file and line (`dsv4rl.data.da
 
 from __future__ import annotations
 
-from dsv4rl.config.schema import Config, Task
+from dsv4rl.config.choices import Task
+from dsv4rl.config.schema import Config
 
 
 def data_file_problems(cfg: Config, task: Task = Task.train) -> list[str]:

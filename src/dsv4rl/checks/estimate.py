@@ -8,7 +8,8 @@ an otherwise valid recipe (`validate` calls it last): the estimate needs a layou
 from __future__ import annotations
 
 from dsv4rl.checks.problems import Add
-from dsv4rl.config.schema import Config, DeviceKind
+from dsv4rl.config.choices import DeviceKind
+from dsv4rl.config.schema import Config
 from dsv4rl.estimate.memory import GpuMemory, GpuRole, memory_plan
 
 FORCE_KEY = "run.force_memory_plan"

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from dsv4rl.checks.parallel import check_megatron_heads
 from dsv4rl.checks.problems import Add
-from dsv4rl.config.schema import ChatFormat, Config, RolloutEngineKind, TrainBackend
+from dsv4rl.config.choices import ChatFormat, RolloutEngineKind, TrainBackend
+from dsv4rl.config.schema import Config
 from dsv4rl.model.release_config import release_key_problems, sglang_problems
 from dsv4rl.model.tokenizer_files import ARITH_CHARS, DEEPSEEK_V4, has_tokenizer, tokenizer_dir_problems
 from dsv4rl.topology import LOOPBACK, engine_nodes, on_one_machine

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import fields
 
 from dsv4rl.checks.problems import Add
-from dsv4rl.config.schema import Config, EngineNumerics, NumericsFeature, RolloutEngineKind, TrainBackend
+from dsv4rl.config.choices import EngineNumerics, NumericsFeature, RolloutEngineKind, TrainBackend
+from dsv4rl.config.schema import Config
 
 
 def check_numerics(cfg: Config, add: Add) -> None:

@@ -6,14 +6,8 @@ Kept apart from the run settings because these are the rules a cluster recipe mo
 from __future__ import annotations
 
 from dsv4rl.checks.problems import Add
-from dsv4rl.config.schema import (
-    AttentionImpl,
-    ClusterKind,
-    CommBackend,
-    Config,
-    RolloutEngineKind,
-    TrainBackend,
-)
+from dsv4rl.config.choices import AttentionImpl, ClusterKind, CommBackend, RolloutEngineKind, TrainBackend
+from dsv4rl.config.schema import Config
 from dsv4rl.topology import engine_port, engine_port_layout, num_layers, num_routed_experts, pipeline_stages
 
 

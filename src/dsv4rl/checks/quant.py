@@ -13,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dsv4rl.checks.problems import Add
-from dsv4rl.config.schema import Config, QuantMode, RolloutEngineKind
+from dsv4rl.config.choices import QuantMode, RolloutEngineKind
+from dsv4rl.config.schema import Config
 from dsv4rl.quant import sglang_env
 from dsv4rl.quant.sglang_env import engine_env
 

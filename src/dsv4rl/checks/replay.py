@@ -6,7 +6,8 @@ SGLang returns the indexer's top-k on is a row of `dsv4rl.checks.sglang_families
 from __future__ import annotations
 
 from dsv4rl.checks.problems import Add
-from dsv4rl.config.schema import Config, RolloutEngineKind
+from dsv4rl.config.choices import RolloutEngineKind
+from dsv4rl.config.schema import Config
 
 _CSA = "compressed_sparse_attention"
 

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from dsv4rl.checks.problems import Add
+from dsv4rl.config.choices import GraderName
 from dsv4rl.config.compose import reward_base_dirs
-from dsv4rl.config.schema import Config, GraderName, RewardFnConfig
+from dsv4rl.config.schema import Config, RewardFnConfig
 from dsv4rl.reward.graders import GRADERS, grader_options
 from dsv4rl.reward.judge import reply_parser, template_problem
 from dsv4rl.reward.rewarder import effective_fns

@@ -6,8 +6,9 @@ from __future__ import annotations
 import inspect
 
 from dsv4rl.checks.problems import Add
+from dsv4rl.config.choices import ChatFormat, RolloutMode
 from dsv4rl.config.compose import reward_base_dirs
-from dsv4rl.config.schema import ChatFormat, Config, RolloutMode, ToolConfig
+from dsv4rl.config.schema import Config, ToolConfig
 from dsv4rl.targets import TargetError
 
 MODES = ", ".join(RolloutMode)

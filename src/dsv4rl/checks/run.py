@@ -8,10 +8,7 @@ from __future__ import annotations
 import math
 
 from dsv4rl.checks.problems import Add
-from dsv4rl.config.schema import (
-    LAYER_TYPES,
-    MLP_TYPES,
-    Config,
+from dsv4rl.config.choices import (
     EvalScoredBy,
     EvalSet,
     GraderName,
@@ -19,9 +16,9 @@ from dsv4rl.config.schema import (
     LRSchedule,
     OptimizerName,
     RolloutEngineKind,
-    SamplingConfig,
-    WandbConfig,
 )
+from dsv4rl.config.model_schema import LAYER_TYPES, MLP_TYPES
+from dsv4rl.config.schema import Config, SamplingConfig, WandbConfig
 from dsv4rl.config.sglang_choices import PauseMode
 from dsv4rl.data.chat_format import data_chat_settings, eval_chat_settings, settings_problems
 from dsv4rl.model.freeze import entry_problems as freeze_entry_problems

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dsv4rl.checks.problems import Add
-from dsv4rl.config.schema import Config, RolloutEngineKind
+from dsv4rl.config.choices import RolloutEngineKind
+from dsv4rl.config.schema import Config
 from dsv4rl.config.sglang_choices import DeviceFamily
 from dsv4rl.quant import sglang_env, sglang_moe
 

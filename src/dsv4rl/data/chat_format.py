@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4rl.config.schema import ChatFormat, Config, DataConfig, ReasoningEffort
+from dsv4rl.config.choices import ChatFormat, ReasoningEffort
+from dsv4rl.config.schema import Config, DataConfig
 
 # SGLang 0.5.23 srt/parser/deepseek_recipe_renderer.py: MODEL_NAMES["dsv4"] and IMAGE_TOKEN
 RECIPE_MODEL = "DeepSeek-V4-Pro"

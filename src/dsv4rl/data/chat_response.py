@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4rl.config.schema import ChatFormat
+from dsv4rl.config.choices import ChatFormat
 from dsv4rl.data.chat_format import RECIPE_MODEL, ChatSettings, PromptRenderer
 
 THINK_START, THINK_END = "<think>", "</think>"

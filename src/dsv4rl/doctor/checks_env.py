@@ -12,7 +12,7 @@ NCCL_SOCKET_IFNAME takes interface-name prefixes, `=` for an exact name, `^` to 
 
 from __future__ import annotations
 
-from dsv4rl.config.schema import RolloutEngineKind
+from dsv4rl.config.choices import RolloutEngineKind
 from dsv4rl.doctor.context import NO_RECIPE, Context
 from dsv4rl.doctor.facts import DISCRETE_AMD, GpuModel, GpuVendor, version_tuple
 from dsv4rl.doctor.verdict import Check, Status

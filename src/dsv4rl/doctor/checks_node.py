@@ -3,7 +3,7 @@ interpreter, and the GPUs (model, architecture, count, memory, PCI ids)."""
 
 from __future__ import annotations
 
-from dsv4rl.config.schema import RolloutEngineKind, TrainBackend
+from dsv4rl.config.choices import RolloutEngineKind, TrainBackend
 from dsv4rl.doctor.context import NO_RECIPE, Context
 from dsv4rl.doctor.facts import AMD_PCI_IDS, GpuVendor, TorchBuild, version_tuple
 from dsv4rl.doctor.verdict import Check, Status

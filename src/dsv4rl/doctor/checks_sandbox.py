@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsv4rl.config.schema import RolloutMode, SandboxIsolation
+from dsv4rl.config.choices import RolloutMode, SandboxIsolation
 from dsv4rl.doctor.context import Context
 from dsv4rl.doctor.verdict import Check, Status
 from dsv4rl.tools.sandbox.isolation import FIXES, IsolationUnavailable, SandboxFacts, plan_isolation

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from dsv4rl.config.schema import ChatFormat
+from dsv4rl.config.choices import ChatFormat
 from dsv4rl.data.chat_format import ChatFormatError, ChatSettings, PromptRenderer
 from dsv4rl.data.chat_response import ResponseParser
 from dsv4rl.engine.generator import GenRequest

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from dsv4rl.config.schema import MemoryTag
+from dsv4rl.config.choices import MemoryTag
 
 if TYPE_CHECKING:
     from dsv4rl.engine.generator import Generator

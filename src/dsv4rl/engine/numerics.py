@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from dsv4rl.config.schema import NumericsFeature
+from dsv4rl.config.choices import NumericsFeature
 from dsv4rl.engine.args import ServerArgs
 from dsv4rl.engine.weight_store import DeepseekWeights
 from dsv4rl.model.naming import CheckpointKind, checkpoint_kind

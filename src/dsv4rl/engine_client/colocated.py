@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from dsv4rl.config.schema import MemoryTag
+from dsv4rl.config.choices import MemoryTag
 from dsv4rl.engine_client.client import EngineClient, EnginePool
 
 __all__ = ["ColocatedEngines", "KV_AND_GRAPHS"]

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import yaml
 
-from dsv4rl.config.schema import Config, RolloutMode
+from dsv4rl.config.choices import RolloutMode
+from dsv4rl.config.schema import Config
 
 ADMIN_KEY_ENV = "DSV4RL_ENGINE_ADMIN_API_KEY"  # set it to choose the admin key (the same on every node)
 API_KEY_ENV = "DSV4RL_ENGINE_API_KEY"

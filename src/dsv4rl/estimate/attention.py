@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from dsv4rl.config.schema import AttentionImpl
+from dsv4rl.config.choices import AttentionImpl
 
 # per token, in values (model dtype): q, its norm and RoPE, the output and its inverse RoPE (h x d), the
 # residual input and output projections (D), the shared KV head (d); gradients included at the peak

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4rl.config.schema import Config, DeviceKind
+from dsv4rl.config.choices import DeviceKind
+from dsv4rl.config.schema import Config
 
 GB = 1e9  # bytes; the vendors' GB
 NIC_400G_GB_PER_S = 50.0

@@ -41,14 +41,8 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from dsv4rl.config.schema import (
-    AttentionImpl,
-    Config,
-    QuantMode,
-    RecomputeMode,
-    RolloutEngineKind,
-    TrainBackend,
-)
+from dsv4rl.config.choices import AttentionImpl, QuantMode, RecomputeMode, RolloutEngineKind, TrainBackend
+from dsv4rl.config.schema import Config
 from dsv4rl.estimate.attention import (
     AttentionShape,
     dense_score_bytes_per_token,

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4rl.config.schema import Config, Dtype, QuantMode
+from dsv4rl.config.choices import Dtype, QuantMode
+from dsv4rl.config.schema import Config
 
 SHAPE_KEYS = (
     "total_params_b",

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from dsv4rl.config.schema import Config, RecomputeMode
+from dsv4rl.config.choices import RecomputeMode
+from dsv4rl.config.schema import Config
 from dsv4rl.estimate.devices import GB, DeviceSpec, device_spec, network_gb_per_s
 from dsv4rl.estimate.params import format_bytes, model_bytes, model_shape
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsv4rl.config.schema import Config, EvalSet
+from dsv4rl.config.choices import EvalSet
+from dsv4rl.config.schema import Config
 from dsv4rl.data.arith import ArithProblems
 from dsv4rl.data.datasets import DAPO_TEMPLATE, DatasetError, load_problems, split_holdout
 from dsv4rl.data.problems import Problem

@@ -17,8 +17,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from dsv4rl.config.choices import ChatFormat
 from dsv4rl.config.compose import reward_base_dirs
-from dsv4rl.config.schema import ChatFormat, Config, RewardConfig
+from dsv4rl.config.schema import Config, RewardConfig
 from dsv4rl.data.chat_response import ResponseParts
 from dsv4rl.data.problems import Problem
 from dsv4rl.eval.scores import ProblemResult

@@ -18,7 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from dsv4rl.config.schema import ChatFormat, Config, EvalConfig, EvalScoredBy
+from dsv4rl.config.choices import ChatFormat, EvalScoredBy
+from dsv4rl.config.schema import Config, EvalConfig
 from dsv4rl.data.chat_format import PromptRenderer, eval_chat_settings
 from dsv4rl.data.chat_response import ResponseParser, response_split_metrics, split_saved_response
 from dsv4rl.data.problems import Problem

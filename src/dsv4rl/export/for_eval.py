@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
-from dsv4rl.config.schema import ExportFormat, QuantMode
+from dsv4rl.config.choices import ExportFormat, QuantMode
 from dsv4rl.eval.weights import export_record
 from dsv4rl.export.sources import Checkpoint, find_checkpoint, trainer_counters
 from dsv4rl.export.view import export_with_progress

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from dsv4rl.config.choices import ExportFormat, QuantMode
 from dsv4rl.config.compose import load_config_file
-from dsv4rl.config.schema import Config, ExportFormat, QuantMode
+from dsv4rl.config.schema import Config
 from dsv4rl.eval.weights import EXPORT_FILE
 from dsv4rl.export.shards import DEFAULT_SHARD_BYTES, INDEX_FILE, ShardWriter
 from dsv4rl.export.sources import (

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dsv4rl.config.schema import ExportFormat, QuantMode
+from dsv4rl.config.choices import ExportFormat, QuantMode
 from dsv4rl.export.run import export_checkpoint
 
 

@@ -27,8 +27,9 @@ from dsv4rl.algo.attribution import (
     parse_configuration,
 )
 from dsv4rl.checks.validate import validate
+from dsv4rl.config.choices import AlignFeature, EngineNumerics, RolloutEngineKind
 from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.schema import AlignFeature, Config, EngineNumerics, RolloutEngineKind
+from dsv4rl.config.schema import Config
 
 REPORT_FILE = "attribute.json"
 # features set per configuration inside a run rather than for the whole run

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv4rl.config.schema import ProcessRole
+from dsv4rl.config.choices import ProcessRole
 from dsv4rl.faults.files import (
     CRASH,
     HEARTBEAT,

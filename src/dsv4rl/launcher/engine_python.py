@@ -18,8 +18,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv4rl.config.choices import RolloutEngineKind
 from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.schema import Config, RolloutEngineKind
+from dsv4rl.config.schema import Config
 
 SGLANG_VERSION = "0.5.23"  # the release dsv4rl's contract is pinned to (dsv4rl/engine/sglang_contract.json)
 _PROBE_MARK = "DSV4RL_PROBE "

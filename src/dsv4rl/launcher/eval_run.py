@@ -19,8 +19,9 @@ from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 
 from dsv4rl.checks.validate import validate
+from dsv4rl.config.choices import EvalScoredBy, EvalSet
 from dsv4rl.config.compose import ConfigError, compose, load_config_file, to_dictconfig
-from dsv4rl.config.schema import Config, EvalScoredBy, EvalSet
+from dsv4rl.config.schema import Config
 from dsv4rl.eval.data import eval_problems
 from dsv4rl.eval.presets import SamplingPreset, preset_overrides
 from dsv4rl.eval.run import REPORT_FILE, evaluate_saved

@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.panel import Panel
 from rich.text import Text
 
-from dsv4rl.config.schema import ProcessRole
+from dsv4rl.config.choices import ProcessRole
 from dsv4rl.faults.failed_push import FailedPushRecord
 from dsv4rl.launcher.node_liveness import NodeLiveness
 from dsv4rl.launcher.process_table import Child, HealthTarget, ProcessTable, Say, log_tail

@@ -26,7 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsv4rl.config.schema import Config, EngineNumerics, ProcessRole, RolloutEngineKind, SyncTransport, Task
+from dsv4rl.config.choices import EngineNumerics, ProcessRole, RolloutEngineKind, SyncTransport, Task
+from dsv4rl.config.schema import Config
 from dsv4rl.engine_client.engine_keys import engine_keys_file, engines_need_keys
 from dsv4rl.launcher.engine_python import engine_python
 from dsv4rl.quant import sglang_moe

@@ -22,16 +22,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from dsv4rl.config.choices import ClusterKind, ProcessRole, RolloutEngineKind, RolloutMode, SyncTransport
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.reference_run import compare as compare_with_reference
-from dsv4rl.config.schema import (
-    ClusterKind,
-    Config,
-    ProcessRole,
-    RolloutEngineKind,
-    RolloutMode,
-    SyncTransport,
-)
+from dsv4rl.config.schema import Config
 from dsv4rl.engine_client.engine_keys import ADMIN_KEY_ENV, engine_keys_file, engines_need_keys
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT
 from dsv4rl.launcher.engine_python import engine_python

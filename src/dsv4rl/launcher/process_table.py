@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from rich.text import Text
 
-from dsv4rl.config.schema import ProcessRole
+from dsv4rl.config.choices import ProcessRole
 from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.faults.heartbeat import START
 from dsv4rl.launcher.child_faults import ChildFaults

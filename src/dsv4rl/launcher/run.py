@@ -18,8 +18,9 @@ from rich.console import Console
 from rich.text import Text
 
 from dsv4rl.checks.data_files import data_file_problems
+from dsv4rl.config.choices import ProcessRole, ResumeMode, Task
 from dsv4rl.config.compose import ConfigError
-from dsv4rl.config.schema import Config, ProcessRole, ResumeMode, Task
+from dsv4rl.config.schema import Config
 from dsv4rl.engine_client.engine_keys import EngineKeysError, engines_need_keys, ensure_engine_keys_file
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT, clear_failed_push, decide_requeue
 from dsv4rl.faults.files import read_json, write_text_atomic

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.text import Text
 
-from dsv4rl.config.schema import ProcessRole
+from dsv4rl.config.choices import ProcessRole
 from dsv4rl.faults.stop import STOP_SIGNALS, STOPPED_EXIT, StoppedRecord, request_stop
 from dsv4rl.launcher.process_table import Child, ProcessTable, Say, describe_exit
 

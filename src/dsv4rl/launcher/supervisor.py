@@ -31,7 +31,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.text import Text
 
-from dsv4rl.config.schema import ProcessRole
+from dsv4rl.config.choices import ProcessRole
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT
 from dsv4rl.faults.proc_tree import become_subreaper
 from dsv4rl.faults.stop import STOP_SIGNALS, STOPPED_EXIT

@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from dsv4rl.config.schema import FreezeGroup
+from dsv4rl.config.choices import FreezeGroup
 
 GLOB, REGEX = "glob:", "re:"
 GROUP_PATTERNS: dict[FreezeGroup, str] = {

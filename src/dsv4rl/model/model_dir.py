@@ -20,7 +20,8 @@ from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
-from dsv4rl.config.schema import ModelConfig, QuantConfig
+from dsv4rl.config.model_schema import ModelConfig
+from dsv4rl.config.schema import QuantConfig
 from dsv4rl.model.release_config import RELEASE_KEYS, release_key_problems
 
 MANIFEST_FILE = "dsv4rl-model.json"

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from dsv4rl.config.schema import Dtype, QuantMode
+from dsv4rl.config.choices import Dtype, QuantMode
 from dsv4rl.model.naming import (
     CheckpointKind,
     checkpoint_kind,

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4rl.config.schema import LAYER_TYPES, TinyModelConfig
+from dsv4rl.config.model_schema import LAYER_TYPES, TinyModelConfig
 
 __all__ = [
     "RELEASE_KEYS",

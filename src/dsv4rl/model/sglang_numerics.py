@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-from dsv4rl.config.schema import Config, NumericsFeature, QuantMode
+from dsv4rl.config.choices import NumericsFeature, QuantMode
+from dsv4rl.config.schema import Config
 from dsv4rl.model.naming import CheckpointKind, checkpoint_kind, hf_to_native
 from dsv4rl.model.sglang_rounding import (
     fp8_activation,

@@ -13,15 +13,9 @@ import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as transformers_logging
 
-from dsv4rl.config.schema import (
-    LAYER_TYPES,
-    MLP_TYPES,
-    Dtype,
-    ExpertScaleDtype,
-    ModelConfig,
-    QuantConfig,
-    TinyModelConfig,
-)
+from dsv4rl.config.choices import Dtype, ExpertScaleDtype
+from dsv4rl.config.model_schema import LAYER_TYPES, MLP_TYPES, ModelConfig, TinyModelConfig
+from dsv4rl.config.schema import QuantConfig
 from dsv4rl.model.native_checkpoint import TORCH_DTYPES, load_native_model, write_native_checkpoint
 from dsv4rl.model.tokenizer import build_char_tokenizer, deepseek_v4_tokenizer, special_token_disagreements
 from dsv4rl.model.tokenizer_files import ARITH_CHARS, DEEPSEEK_V4, has_tokenizer

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dsv4rl.config.schema import QuantMode
+from dsv4rl.config.choices import QuantMode
 from dsv4rl.model.naming import CheckpointKind, checkpoint_kind, scale_name
 from dsv4rl.quant.fp8 import DEFAULT_BLOCK, quantize_fp8_blocks
 from dsv4rl.quant.mxfp4 import quantize_mxfp4

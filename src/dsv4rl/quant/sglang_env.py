@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from dsv4rl.config.schema import Config, QuantMode
+from dsv4rl.config.choices import QuantMode
+from dsv4rl.config.schema import Config
 
 FP4_EXPERTS = "SGLANG_DSV4_FP4_EXPERTS"
 FP4_DEQUANT = "SGLANG_DSV4_FP4_DEQUANT"

@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4rl.config.schema import Config, DeviceKind, QuantMode, RolloutEngineKind
+from dsv4rl.config.choices import DeviceKind, QuantMode, RolloutEngineKind
+from dsv4rl.config.schema import Config
 from dsv4rl.config.sglang_choices import DeviceFamily, ExpertLoad, MoeRunnerBackend
 from dsv4rl.quant.sglang_env import FP4_DEQUANT, FP8, MXFP4, UNQUANTIZED, USE_AITER, engine_env, env_flag
 

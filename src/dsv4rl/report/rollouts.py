@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
-from dsv4rl.config.schema import RolloutSort
+from dsv4rl.config.choices import RolloutSort
 from dsv4rl.faults.run_outcome import read_run_outcome
 from dsv4rl.report.metrics_table import ReportError
 from dsv4rl.report.turns_view import add_turn_rows, turns_summary

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv4rl.config.schema import RewardOnError
+from dsv4rl.config.choices import RewardOnError
 from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.results import (
     TIMED_OUT,

@@ -40,8 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from dsv4rl.config.choices import choice
-from dsv4rl.config.schema import GraderName, RewardConfig
+from dsv4rl.config.choices import GraderName, choice
+from dsv4rl.config.schema import RewardConfig
 from dsv4rl.reward.fn_pool import AsyncProcessPool
 from dsv4rl.reward.normalize import MAX_ANSWER_CHARS, last_answer_line, last_boxed, normalize_final_answer
 from dsv4rl.reward.results import TIMED_OUT, CallFailed, call_failed

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4rl.config.schema import RewardOnError
+from dsv4rl.config.choices import RewardOnError
 
 
 class _Sentinel:

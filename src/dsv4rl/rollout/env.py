@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dsv4rl.config.schema import MalformedCall, RolloutConfig, TruncateSide
+from dsv4rl.config.choices import MalformedCall, TruncateSide
+from dsv4rl.config.schema import RolloutConfig
 from dsv4rl.data.problems import Problem
 from dsv4rl.rollout.tool_failures import ENV_NAME, ToolFailure
 from dsv4rl.rollout.turn_format import AssistantTurn, ParsedCall, TurnFormat

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsv4rl.config.schema import Config, RolloutMode
+from dsv4rl.config.choices import RolloutMode
+from dsv4rl.config.schema import Config
 from dsv4rl.data.chat_format import ChatSettings, PromptRenderer
 from dsv4rl.rollout.choices import ChoiceRequest
 from dsv4rl.rollout.env import ToolEnv, UserEnv

@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from dsv4rl.config.schema import RolloutConfig, SamplingConfig, TitoCheck
+from dsv4rl.config.choices import TitoCheck
+from dsv4rl.config.schema import RolloutConfig, SamplingConfig
 from dsv4rl.data.problems import Problem
 from dsv4rl.rollout.choices import ChoiceRequest
 from dsv4rl.rollout.env import EnvReset, ToolEnv, UserEnv

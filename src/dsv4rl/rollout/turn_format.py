@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dsv4rl.config.schema import ChatFormat
+from dsv4rl.config.choices import ChatFormat
 from dsv4rl.data.chat_format import RECIPE_MODEL, ChatFormatError, PromptRenderer, user_messages
 from dsv4rl.data.problems import Problem
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from dsv4rl.config.schema import ExpertScaleDtype, QuantConfig, QuantMode, RolloutEngineKind
+from dsv4rl.config.choices import ExpertScaleDtype, QuantMode, RolloutEngineKind
+from dsv4rl.config.schema import QuantConfig
 from dsv4rl.model.native_checkpoint import CheckpointError, CheckpointFormat, checkpoint_format
 from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.quant import sglang_env

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dsv4rl.config.schema import Dtype, RolloutEngineKind
+from dsv4rl.config.choices import Dtype, RolloutEngineKind
 from dsv4rl.model.native_checkpoint import CheckpointError, read_config
 from dsv4rl.model.release_config import release_key_problems, sglang_problems, transformers_schedule
 from dsv4rl.sync.errors import WeightSyncError, engine_name

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from dsv4rl.config.schema import EngineNumerics, QuantMode, SyncVerifyConfig
+from dsv4rl.config.choices import EngineNumerics, QuantMode
+from dsv4rl.config.schema import SyncVerifyConfig
 from dsv4rl.sync.errors import WeightSyncError, engine_name
 from dsv4rl.wire.engine_api import EngineAPI
 

@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from dsv4rl.config.choices import choice
-from dsv4rl.config.schema import CommBackend, SyncConfig, SyncTransport
+from dsv4rl.config.choices import CommBackend, SyncTransport, choice
+from dsv4rl.config.schema import SyncConfig
 from dsv4rl.config.sglang_choices import PauseMode, SyncLoadFormat
 from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.sync.errors import WeightSyncError, engine_name

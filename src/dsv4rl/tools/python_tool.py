@@ -29,8 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4rl.config.choices import choice
-from dsv4rl.config.schema import SandboxIsolation
+from dsv4rl.config.choices import SandboxIsolation, choice
 from dsv4rl.tools.base import ToolResult
 from dsv4rl.tools.remote_sandbox import RemoteRun, SandboxFusionClient, probe_service
 from dsv4rl.tools.sandbox import probe as sandbox

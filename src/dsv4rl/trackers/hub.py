@@ -10,8 +10,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from dsv4rl.config.choices import LoggerKind
 from dsv4rl.config.compose import to_dictconfig
-from dsv4rl.config.schema import Config, LoggerKind
+from dsv4rl.config.schema import Config
 from dsv4rl.estimate.memory import memory_plan
 from dsv4rl.estimate.step_time import step_time
 from dsv4rl.faults.notices import notify

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsv4rl.config.schema import Config, LoggerKind
+from dsv4rl.config.choices import LoggerKind
+from dsv4rl.config.schema import Config
 from dsv4rl.metrics import read_metrics
 from dsv4rl.trackers.hub import open_trackers
 from dsv4rl.trackers.state import TENSORBOARD_DIR, read_state

@@ -37,7 +37,8 @@ from dsv4rl.algo.attribution import (
     engine_report_file,
 )
 from dsv4rl.algo.mismatch import abs_diff_summary
-from dsv4rl.config.schema import AlignFeature, Config, NumericsFeature
+from dsv4rl.config.choices import AlignFeature, NumericsFeature
+from dsv4rl.config.schema import Config
 from dsv4rl.model.sglang_numerics import apply_trainer_numerics
 from dsv4rl.rollout.choices import ChoiceRequest, attach_choices
 from dsv4rl.samples import Sample

@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
-from dsv4rl.config.schema import Config, TrainBackend
+from dsv4rl.config.choices import TrainBackend
+from dsv4rl.config.schema import Config
 from dsv4rl.train.batch import TrainBatch
 
 

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from dsv4rl.algo.dapo import flat_group_fraction
 from dsv4rl.algo.families import compute_advantages, keep_groups, sampling_done, shape_rewards
-from dsv4rl.config.schema import Config, MemoryTag
+from dsv4rl.config.choices import MemoryTag
+from dsv4rl.config.schema import Config
 from dsv4rl.data.chat_response import response_split_metrics
 from dsv4rl.data.problems import Problem
 from dsv4rl.engine_client.colocated import KV_AND_GRAPHS

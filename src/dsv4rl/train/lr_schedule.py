@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 
-from dsv4rl.config.schema import Config, LRSchedule
+from dsv4rl.config.choices import LRSchedule
+from dsv4rl.config.schema import Config
 
 
 class LearningRateSchedule:

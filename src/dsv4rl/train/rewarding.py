@@ -17,7 +17,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dsv4rl.config.schema import ChatFormat, Config
+from dsv4rl.config.choices import ChatFormat
+from dsv4rl.config.schema import Config
 from dsv4rl.data.chat_response import ResponseParts
 from dsv4rl.data.problems import Problem
 from dsv4rl.reward.results import Outcome

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from dsv4rl.config.choices import ChatFormat, RolloutEngineKind, Task
 from dsv4rl.config.compose import load_config_file, reward_base_dirs
-from dsv4rl.config.schema import ChatFormat, Config, RolloutEngineKind, Task
+from dsv4rl.config.schema import Config
 from dsv4rl.data.chat_format import PromptRenderer, data_chat_settings
 from dsv4rl.data.chat_response import ResponseParser
 from dsv4rl.data.stream import build_prompt_stream

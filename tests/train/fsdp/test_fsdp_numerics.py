@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dsv4rl.config.schema import Config, ModelConfig, QuantConfig, QuantMode
+from dsv4rl.config.choices import QuantMode
+from dsv4rl.config.model_schema import ModelConfig
+from dsv4rl.config.schema import Config, QuantConfig
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.sglang_rounding import fp8_activation
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dsv4rl.config.schema import Config, ModelConfig, TinyModelConfig
+from dsv4rl.config.model_schema import ModelConfig, TinyModelConfig
+from dsv4rl.config.schema import Config
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.replay import ChoiceRecorder, indexer_layers, score_routed_layers
 from dsv4rl.samples import Sample

@@ -21,7 +21,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fsdp"))  # the FSDP scenarios' helpers
 from fsdp_scenarios import config, make_batch, nonfinite  # noqa: E402
 
-from dsv4rl.config.schema import Config, RecomputeMode, TrainBackend  # noqa: E402
+from dsv4rl.config.choices import RecomputeMode, TrainBackend
+from dsv4rl.config.schema import Config
 from dsv4rl.model.model_dir import materialize_model  # noqa: E402
 from dsv4rl.train.backend import build_backend  # noqa: E402
 from dsv4rl.train.checkpoint import checkpoint_dir  # noqa: E402

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fsdp"))  # the FSDP scenarios' helpers
 from fsdp_scenarios import config  # noqa: E402
 
-from dsv4rl.config.schema import TrainBackend  # noqa: E402
+from dsv4rl.config.choices import TrainBackend
 from dsv4rl.model.model_dir import materialize_model  # noqa: E402
 from dsv4rl.train.megatron import convert  # noqa: E402
 from dsv4rl.train.megatron.backend import MegatronBackend  # noqa: E402

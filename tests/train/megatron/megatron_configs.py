@@ -22,8 +22,9 @@ from transformers import DeepseekV4Config
 
 from dsv4rl.checks.machine import transformer_engine_problem
 from dsv4rl.checks.validate import validate
+from dsv4rl.config.choices import TrainBackend
 from dsv4rl.config.compose import ConfigError, compose, list_groups, list_recipes
-from dsv4rl.config.schema import Config, TrainBackend
+from dsv4rl.config.schema import Config
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.train.megatron import backend as megatron_backend
 from dsv4rl.train.megatron.optimizer import MegatronDistributedAdam, ModelParallelAdamW, build_optimizer

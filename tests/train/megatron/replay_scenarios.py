@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dsv4rl.config.schema import Config, ModelConfig, RecomputeMode, TinyModelConfig, TrainBackend
+from dsv4rl.config.choices import RecomputeMode, TrainBackend
+from dsv4rl.config.model_schema import ModelConfig, TinyModelConfig
+from dsv4rl.config.schema import Config
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.native_checkpoint import load_native_model
 from dsv4rl.model.replay import ChoiceRecorder

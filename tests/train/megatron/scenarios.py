@@ -21,7 +21,8 @@ from megatron.core import parallel_state
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
 
-from dsv4rl.config.schema import AttentionImpl, TinyModelConfig
+from dsv4rl.config.choices import AttentionImpl
+from dsv4rl.config.model_schema import TinyModelConfig
 from dsv4rl.model.tiny import tiny_hf_config
 from dsv4rl.train.megatron import convert
 from dsv4rl.train.megatron.architecture import ParallelSizes

@@ -7,7 +7,7 @@ import pytest
 from megatron.core.extensions import transformer_engine
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
-from dsv4rl.config.schema import TinyModelConfig
+from dsv4rl.config.model_schema import TinyModelConfig
 from dsv4rl.model.tiny import tiny_hf_config
 from dsv4rl.train.megatron import architecture, moe
 from dsv4rl.train.megatron.architecture import DeepseekV4Architecture, ParallelSizes, transformer_config

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4rl.config.schema import ModelConfig, QuantConfig, QuantMode
+from dsv4rl.config.choices import QuantMode
+from dsv4rl.config.model_schema import ModelConfig
+from dsv4rl.config.schema import QuantConfig
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.native_checkpoint import load_native_model
 from dsv4rl.train.megatron.tensor_source import NativeCheckpointSource, StateDictSource

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dsv4rl.config.schema import SandboxIsolation
+from dsv4rl.config.choices import SandboxIsolation
 
 GUARANTEES = ("files", "network", "processes", "privileges", "cleanup", "memory")
 LANDLOCK_MIN_ABI = 3  # ABI 3 (Linux 6.2) is the first that also refuses truncating files outside the tree

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 from transformers import DeepseekV4Config
 
-from dsv4rl.config.schema import AttentionImpl, RecomputeMode
+from dsv4rl.config.choices import AttentionImpl, RecomputeMode
 from dsv4rl.train.megatron.moe import grouped_experts_available
 
 

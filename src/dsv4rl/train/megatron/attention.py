@@ -32,7 +32,7 @@ from megatron.core.transformer.utils import (
 )
 from torch import Tensor
 
-from dsv4rl.config.schema import AttentionImpl
+from dsv4rl.config.choices import AttentionImpl
 from dsv4rl.train.megatron import cpu_compat
 from dsv4rl.train.megatron.architecture import AttentionKind, DeepseekV4Architecture
 from dsv4rl.train.megatron.compressor import Compressor, Indexer, RMSNorm, linear, visible_entries

@@ -28,7 +28,8 @@ from transformers import DeepseekV4Config
 
 from dsv4rl.algo.grpo import token_logprobs
 from dsv4rl.algo.loss import NUM_STEP_SUMS
-from dsv4rl.config.schema import AttentionImpl, Config, Dtype, RecomputeMode
+from dsv4rl.config.choices import AttentionImpl, Dtype, RecomputeMode
+from dsv4rl.config.schema import Config
 from dsv4rl.model.native_checkpoint import (
     TORCH_DTYPES,
     is_native_checkpoint,

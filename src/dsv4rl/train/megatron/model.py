@@ -29,7 +29,7 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import Tensor
 from transformers import DeepseekV4Config
 
-from dsv4rl.config.schema import AttentionImpl
+from dsv4rl.config.choices import AttentionImpl
 from dsv4rl.model.replay import NO_CHOICE
 from dsv4rl.train.megatron import cpu_compat
 from dsv4rl.train.megatron.architecture import AttentionKind, DeepseekV4Architecture, RoutingKind
