@@ -446,7 +446,7 @@ class EngineConfig:
     # the objects of its imports and model leave the collector's reach, so a full collection no longer
     # stalls a generate batch.
     freeze_gc: bool = True
-    retries: int = 2
+    retries: int = 2  # after the first attempt of an idempotent call whose connection broke, or a 502-504
     # SGLang engines' `--dtype` (their activations and unquantized weights). The reference engine computes in
     # float32 on the dequantized weights whatever this says.
     dtype: Dtype = Dtype.bfloat16

@@ -1,9 +1,10 @@
 """Async HTTP client for SGLang's server protocol (and dsv4rl's reference engine, which speaks the same).
 
 One `EngineClient` per engine. It bounds in-flight `/generate` calls, retries only what is safe to
-repeat (connection failures and 502/503/504 on `/generate` and GETs; never a weight-update, pause or
-session POST, whose side effects may already have happened), and turns every failure into an
-`EngineError` that names the engine, the endpoint and the server's own message.
+repeat (a broken or refused connection and 502/503/504 on `/generate` and GETs, with backoff, on a fresh
+connection; never a weight-update, pause or session POST, whose side effects may already have happened),
+and turns every failure into an `EngineError` that names the engine, the endpoint and the server's own
+message.
 
 httpx clients and asyncio semaphores belong to one event loop; the client keeps one of each per loop,
 so the same `EngineClient` works from `asyncio.run` calls in several threads (the weight sync POSTs
@@ -31,6 +32,15 @@ from dsv4rl.config.sglang_choices import PauseMode
 from dsv4rl.faults import heartbeat
 
 RETRY_STATUSES = frozenset({502, 503, 504})
+# A connection that broke under a request (reset, closed, a read or write that failed) or that could not
+# be had (connect, pool): on an idempotent call these are retried on a fresh connection. A read timeout is
+# not among them: the request may still be running on the engine, and the hang watchdog names that case.
+TRANSIENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError,
+             httpx.ReadError, httpx.WriteError)  # fmt: skip
+# Idle connections are dropped by the client before the server would close them (uvicorn's and SGLang's
+# keep-alive is 5 s, `SGLANG_TIMEOUT_KEEP_ALIVE`): at equal timers a request sent on a connection the
+# server is closing at that moment fails with a read error (the keep-alive race).
+KEEPALIVE_EXPIRY_S = 2.0
 _MAX_MESSAGE_CHARS = 600
 
 
@@ -125,7 +135,11 @@ class EngineClient:
                     base_url=self.base_url,
                     timeout=httpx.Timeout(self.timeout_s, connect=min(self.timeout_s, 10.0)),
                     transport=self._transport,
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=self.max_concurrency),
+                    limits=httpx.Limits(
+                        max_connections=None,
+                        max_keepalive_connections=self.max_concurrency,
+                        keepalive_expiry=KEEPALIVE_EXPIRY_S,
+                    ),
                 )
                 state = _LoopState(http, asyncio.Semaphore(self.max_concurrency))
                 self._states[loop] = state
@@ -167,16 +181,20 @@ class EngineClient:
                         headers=headers,
                         timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
                     )
+            except TRANSIENT as exc:
+                # Nothing was sent (connect, pool) or the connection broke under the request (the
+                # keep-alive race, a reset): an idempotent call is sent again on a fresh connection (httpx
+                # drops the broken one); non-retryable calls get the error at once.
+                if last:
+                    nothing_sent = isinstance(
+                        exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout
+                    )
+                    what = "cannot connect" if nothing_sent else "connection lost"
+                    tried = f" (after {attempts} attempts)" if attempts > 1 else ""
+                    raise EngineError(self.base_url, endpoint, f"{what}{tried}: {exc!r}") from exc
             except (TimeoutError, httpx.TimeoutException) as exc:
                 # A request that timed out may still be running on the server: never repeat it.
                 raise EngineError(self.base_url, endpoint, f"timed out after {timeout:g} s") from exc
-            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
-                # Connect errors: nothing was sent. A dropped connection (RemoteProtocolError) on an
-                # idempotent call is treated the same; non-retryable calls get the error at once.
-                if last:
-                    what = "cannot connect" if isinstance(exc, httpx.ConnectError) else "connection lost"
-                    tried = f" (after {attempts} attempts)" if attempts > 1 else ""
-                    raise EngineError(self.base_url, endpoint, f"{what}{tried}: {exc!r}") from exc
             except httpx.HTTPError as exc:
                 raise EngineError(self.base_url, endpoint, f"request failed: {exc!r}") from exc
             else:
