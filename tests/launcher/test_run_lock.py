@@ -260,6 +260,22 @@ def test_resume_auto_without_a_checkpoint_starts_fresh_and_false_is_refused_with
         run_training(cfg, console=capture()[0], plan_builder=_plan)
 
 
+def test_a_new_attempt_keeps_the_earlier_ones_metrics_and_crash_records(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)  # an attempt that crashed at step 2 and saved no checkpoint
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (run_dir / "logs" / "crash-trainer-rank0.json").write_text('{"type": "EngineError"}')
+    cfg = _cfg(run_dir)
+    cfg.resume = ResumeMode.auto
+    console, out = capture()
+    assert run_training(cfg, console=console, plan_builder=_plan) == 0
+    kept = run_dir / "attempts" / "1"
+    assert (kept / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert (kept / "logs" / "crash-trainer-rank0.json").read_text() == '{"type": "EngineError"}'
+    assert not (run_dir / "logs" / "crash-trainer-rank0.json").exists()  # cleared for the new attempt
+    assert f"the earlier attempt's metrics and fault records: {kept}" in out.getvalue()
+
+
 def test_an_earlier_stop_request_is_cleared_at_start(tmp_path) -> None:
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "STOP").write_text("")

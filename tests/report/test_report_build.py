@@ -182,6 +182,22 @@ def test_a_crashed_run_says_so_with_its_root_cause_not_in_progress(tmp_path: Pat
     assert f"status: **crashed** at step 5 (root cause: {cause})" in text
 
 
+def test_the_report_lists_the_earlier_attempts(tmp_path: Path) -> None:
+    from dsv4rl.faults.attempts import archive_attempt
+
+    run_dir = make_run(tmp_path, recorded_rows()[:5])
+    write_run_outcome(run_dir, RunOutcome("failed", 5, 1, "engine-0 was killed by SIGKILL"))
+    archive_attempt(run_dir)  # as the launcher does when the next attempt starts
+    (run_dir / "OUTCOME").unlink()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in recorded_rows()))
+    result = runner.invoke(app, ["report", str(run_dir), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    said = "attempt 1: steps 1-5, crashed at step 5 (root cause: engine-0 was killed by SIGKILL)"
+    assert f"earlier {said}" in result.output
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "## Earlier attempts" in text and said in text
+
+
 def test_a_stopped_run_gives_the_stop_reason_and_a_finished_record_changes_nothing(tmp_path: Path) -> None:
     table = parse_metrics_text(RECORDED.read_text(), RECORDED)
     stopped = run_status(table, 30, idle_s=20, outcome=RunOutcome("stopped", 12, 75, None, reason="SIGTERM"))

@@ -22,6 +22,7 @@ from dsv4rl.config.choices import ProcessRole, ResumeMode, Task
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config
 from dsv4rl.engine_client.engine_keys import EngineKeysError, engines_need_keys, ensure_engine_keys_file
+from dsv4rl.faults.attempts import archive_attempt
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT, clear_failed_push, decide_requeue
 from dsv4rl.faults.files import read_json, write_text_atomic
 from dsv4rl.faults.run_outcome import RunOutcome, clear_run_outcome, write_run_outcome
@@ -149,6 +150,9 @@ def _run_locked(
                 raise RunDirInUse(str(error)) from None
         write_config(cfg, run_dir)
         if task == Task.train and cfg.cluster.node_rank == 0:
+            archived = archive_attempt(run_dir)  # before anything of the earlier attempt is cut or cleared
+            if archived is not None:
+                console.print(f"the earlier attempt's metrics and fault records: {archived}", style="dim")
             clear_stop_files(run_dir)  # an earlier run's stop request must not stop this one
             clear_failed_push(run_dir)  # nor its failed push ask for a requeue
             clear_run_outcome(run_dir)  # nor its outcome describe this attempt while it runs

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from dsv4rl.faults.attempts import earlier_attempts
 from dsv4rl.faults.run_outcome import read_run_outcome
 from dsv4rl.report.evals import collect_evals
 from dsv4rl.report.metrics_table import MetricsTable, load_metrics_table
@@ -84,6 +85,8 @@ def print_report(report: Report, console: Console) -> None:
     line = Text(f"{len(steps)} steps ({steps[0]}..{steps[-1]}), run ")
     line.append(status.state, style="bold")
     console.print(line.append(f" {rest}"), highlight=False, soft_wrap=True)
+    for attempt in earlier_attempts(report.run_dir):  # what a resume cut or cleared, kept aside
+        console.print(Text(f"earlier {attempt.line()}", style="dim"), soft_wrap=True)
     console.print(f"report written to [bold]{report.out_dir}/[/]", highlight=False, soft_wrap=True)
     files = Table()
     files.add_column("file")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
+from dsv4rl.faults.attempts import earlier_attempts
 from dsv4rl.faults.run_outcome import WORDS, RunOutcome
 from dsv4rl.metrics import PACE_WINDOW, fmt_duration, pace
 from dsv4rl.report.evals import collect_evals, evals_section
@@ -164,6 +165,9 @@ def render_summary(
     ]
     if config_note:
         lines.append(f"- config: {config_note}")
+    attempts = earlier_attempts(run_dir)
+    if attempts:  # what a resume cut or cleared, kept by the launcher (dsv4rl.faults.attempts)
+        lines += ["", "## Earlier attempts", "", *(f"- {a.line()} (`{a.path}`)" for a in attempts)]
     lines += ["", "## Reward", "", *_reward_section(table)]
     lines += ["", "## Time per step", "", *_time_section(table)]
     lines += ["", "## Weight sync", "", *_sync_section(table)]
