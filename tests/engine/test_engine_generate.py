@@ -328,3 +328,26 @@ def test_calls_sent_together_by_a_splitting_client_run_as_one_batch(client):
         assert batches == [16]
     finally:
         generator._take_batch = take
+
+
+def test_a_generate_batch_is_busy_at_its_weight_version_so_a_fault_point_can_name_it(
+    client, tmp_path, monkeypatch
+):
+    """`DSV4RL_INJECT_KILL=engine-1:generate:20` needs a step: a generate batch carries the weight version
+    it samples with (the trainer's step whose weights these are); before any numbered version, none."""
+    import dsv4rl.faults.heartbeat as module
+
+    seen = []
+    monkeypatch.setattr(module, "maybe_hang", lambda process, point, step, **_: seen.append((point, step)))
+    monkeypatch.setattr(module, "_heartbeat", None)
+    module.configure(tmp_path / "hb.json", "engine-1")
+    generator = client.app.state.engine.generator
+    before = generator.weight_version
+    try:
+        generate(client, input_ids=[0, 5], sampling_params={"max_new_tokens": 1})
+        generator.set_weight_version("20")
+        generate(client, input_ids=[0, 5], sampling_params={"max_new_tokens": 1})
+    finally:
+        generator.set_weight_version(before)
+    steps = [step for point, step in seen if point == "generate"]
+    assert steps[-1] == 20 and (before.isdigit() or steps[0] is None), seen

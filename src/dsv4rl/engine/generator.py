@@ -373,9 +373,13 @@ class Generator:
                     continue
                 batch = self._take_batch()
             # The hang watchdog sees a batch in progress; health checks and warmup are no generate batch.
+            # A generate batch's step is the weight version it samples with (the trainer's step whose
+            # weights these are), so an injected fault can name one: `engine-1:generate:20`.
             work = "generate" if any(not r.internal for r in batch) else "health_check"
+            version = self.weight_version
+            step = int(version) if work == "generate" and version.isdigit() else None
             try:
-                with heartbeat.busy(work):
+                with heartbeat.busy(work, step):
                     self._run_batch(batch)
             except Exception as error:  # a crash must not strand the callers: end their requests
                 log.exception("generation failed")
