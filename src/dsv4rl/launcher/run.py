@@ -199,12 +199,12 @@ def _run_locked(
     if task == Task.train and node == 0:
         if code == FAILED_PUSH_EXIT:
             code = _requeue_after_failed_push(cfg, run_dir, console)
-        _write_outcome(run_dir, supervisor, code)
+        _write_outcome(run_dir, supervisor, code, console)
         _record_outcome(cfg, run_dir, supervisor, console)
     return code
 
 
-def _write_outcome(run_dir: Path, supervisor: Supervisor, code: int) -> None:
+def _write_outcome(run_dir: Path, supervisor: Supervisor, code: int, console: Console) -> None:
     """`<run_dir>/OUTCOME` for `dsv4rl report` and `dsv4rl rollouts`: how this attempt ended and why."""
     from dsv4rl.trackers.outcome import last_step
 
@@ -216,7 +216,7 @@ def _write_outcome(run_dir: Path, supervisor: Supervisor, code: int) -> None:
     try:
         write_run_outcome(run_dir, outcome)
     except OSError as error:  # the run's own result stands; only the record is missing
-        print(f"warning: could not write {run_dir / 'OUTCOME'}: {error}", file=sys.stderr)
+        console.print(Text(f"warning: could not write {run_dir / 'OUTCOME'}: {error}", style="yellow"))
 
 
 def _requeue_after_failed_push(cfg: Config, run_dir: Path, console: Console) -> int:
