@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from dsv4rl.faults.attempts import earlier_attempts
+from dsv4rl.faults.attempts import Attempt, earlier_attempts
 from dsv4rl.faults.run_outcome import read_run_outcome
 from dsv4rl.report.evals import collect_evals
 from dsv4rl.report.metrics_table import MetricsTable, load_metrics_table
@@ -33,6 +33,7 @@ class Report:
     plots: PlotResult
     config_note: str | None
     run_dir: Path
+    attempts: list[Attempt]  # what earlier attempts left, kept by the launcher (dsv4rl.faults.attempts)
 
 
 def planned_steps(run_dir: Path) -> tuple[int | None, str | None]:
@@ -68,8 +69,9 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Repo
     status = run_status(table, steps, idle_s, read_run_outcome(run_dir))
     plots = render_plots(table, out)
     summary = out / SUMMARY_FILE
-    summary.write_text(render_summary(table, run_dir, status, plots, out, config_note))
-    return Report(out, summary, table, status, plots, config_note, run_dir)
+    attempts = earlier_attempts(run_dir)
+    summary.write_text(render_summary(table, run_dir, status, plots, out, config_note, attempts))
+    return Report(out, summary, table, status, plots, config_note, run_dir, attempts)
 
 
 def print_report(report: Report, console: Console) -> None:
@@ -85,7 +87,7 @@ def print_report(report: Report, console: Console) -> None:
     line = Text(f"{len(steps)} steps ({steps[0]}..{steps[-1]}), run ")
     line.append(status.state, style="bold")
     console.print(line.append(f" {rest}"), highlight=False, soft_wrap=True)
-    for attempt in earlier_attempts(report.run_dir):  # what a resume cut or cleared, kept aside
+    for attempt in report.attempts:
         console.print(Text(f"earlier {attempt.line()}", style="dim"), soft_wrap=True)
     console.print(f"report written to [bold]{report.out_dir}/[/]", highlight=False, soft_wrap=True)
     files = Table()

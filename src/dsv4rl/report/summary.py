@@ -6,11 +6,12 @@ ago the metrics were written), so the numbers can be checked against the file th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
-from dsv4rl.faults.attempts import earlier_attempts
+from dsv4rl.faults.attempts import Attempt
 from dsv4rl.faults.run_outcome import WORDS, RunOutcome
 from dsv4rl.metrics import PACE_WINDOW, fmt_duration, pace
 from dsv4rl.report.evals import collect_evals, evals_section
@@ -154,6 +155,7 @@ def render_summary(
     plots: PlotResult,
     out_dir: Path,
     config_note: str | None = None,
+    attempts: Sequence[Attempt] = (),
 ) -> str:
     """The whole `report.md`; image links are relative to `out_dir`, where the file is written."""
     steps = table.steps
@@ -165,7 +167,6 @@ def render_summary(
     ]
     if config_note:
         lines.append(f"- config: {config_note}")
-    attempts = earlier_attempts(run_dir)
     if attempts:  # what a resume cut or cleared, kept by the launcher (dsv4rl.faults.attempts)
         lines += ["", "## Earlier attempts", "", *(f"- {a.line()} (`{a.path}`)" for a in attempts)]
     lines += ["", "## Reward", "", *_reward_section(table)]
