@@ -46,9 +46,12 @@ sglang-contract:
 	$(PY) -m pip download --no-deps --quiet -d build/sglang-wheel "$(SGLANG_SPEC)"
 	$(PY) -m dsv4rl.engine.sglang_contract build/sglang-wheel/sglang-*.whl
 
-# The whole suite, with its 25 slowest tests named at the end (CI's log keeps them).
+# The whole suite on TEST_WORKERS pytest-xdist workers (a test file per unit of work, the end-to-end files
+# first: tests/conftest.py), with its 25 slowest tests named at the end (CI's log keeps them).
+# TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
 test:
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # The inner loop: neither the end-to-end runs and the other `slow` tests nor the `sglang` group (SGLang's
 # interpreter starts per environment; `make test-sglang` runs that group, `make test` everything).

@@ -13,6 +13,15 @@ import pytest
 
 from dsv4rl.model.model_dir import CACHE_ENV
 
+# `make test` runs on two pytest-xdist workers (--dist loadgroup): a test file is one unit of work, so its
+# module fixtures are built once; files that share a session fixture are one unit (SHARED_FIXTURE_GROUPS),
+# and the end-to-end files are handed out first, so that the longest units do not start last.
+SHARED_FIXTURE_GROUPS = {
+    "tests/e2e/test_train_cpu.py": "trained_arith",  # trained_arith and short_arith (tests/e2e/conftest.py)
+    "tests/e2e/test_two_nodes_cpu.py": "trained_arith",
+}
+FIRST = ("tests/docs/", "tests/e2e/")
+
 _made: list[str] = []
 
 
@@ -20,6 +29,23 @@ def pytest_configure(config) -> None:
     if CACHE_ENV not in os.environ:
         _made.append(tempfile.mkdtemp(prefix="dsv4rl-test-cache-"))
         os.environ[CACHE_ENV] = _made[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
+    if not config.getoption("loadgroup", default=False):
+        return
+
+    def path(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    # SGLang's interpreter workers (sglang_sides) start once per session and process
+    sglang_files = {path(item) for item in items if "sglang_sides" in item.fixturenames}
+    for item in items:
+        file = path(item)
+        group = "sglang_sides" if file in sglang_files else SHARED_FIXTURE_GROUPS.get(file, file)
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))
 
 
 def pytest_unconfigure(config) -> None:
