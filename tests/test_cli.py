@@ -108,6 +108,20 @@ def plan_json(*args: str) -> dict:
     return json.loads(result.output)
 
 
+def test_plan_says_whether_a_failed_engine_is_restarted() -> None:
+    two = ["recipe=tiny_arith", "parallel.rollout.num_engines=2"]
+    assert plan_json(*two)["engine"]["max_restarts"] == 3
+    cases = {
+        (*two,): "a dead or hung engine is restarted, at most 3 times, while the others generate",
+        ("recipe=tiny_arith",): "engine restarts: none with one engine (engine.min_alive=1)",
+        (*two, "engine.max_restarts=0"): "engine restarts: off; an engine failure stops the run",
+        (*two, "parallel.colocate=true"): "engine restarts: off (colocated engines share the trainer's GPUs)",
+    }
+    for args, line in cases.items():
+        result = runner.invoke(app, ["plan", *args])
+        assert result.exit_code == 0 and line in " ".join(result.output.split()), result.output
+
+
 def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 

@@ -543,3 +543,15 @@ def test_the_reference_engines_emulation_flag_is_refused_with_sglang(dapo: Confi
 def test_max_requeues_is_not_negative(tiny: Config) -> None:
     tiny.cluster.max_requeues = -1
     assert_problem(tiny, "cluster.max_requeues must be >= 0")
+
+
+def test_engine_restart_bounds_are_checked(tiny: Config) -> None:
+    tiny.engine.max_restarts = -1
+    assert_problem(tiny, "engine.max_restarts must be >= 0 (got -1; 0: an engine failure stops the run)")
+    tiny.parallel.rollout.num_engines = 2
+    tiny.engine.min_alive = 3
+    assert_problem(tiny, "engine.min_alive=3 must be between 1 and the run's 2 engine(s)")
+    tiny.engine.min_alive = 0
+    assert_problem(tiny, "engine.min_alive=0 must be between 1")
+    tiny.engine.health_timeout_s = 0
+    assert_problem(tiny, "engine.health_timeout_s must be > 0")

@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 from dsv4rl.config.model_schema import ModelConfig
 from dsv4rl.config.schema import SamplingConfig
 from dsv4rl.data.problems import Problem
-from dsv4rl.engine_client.client import EngineClient
+from dsv4rl.engine_client.client import EngineClient, EngineError
+from dsv4rl.engine_client.roster import EngineRoster
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.tiny import load_tokenizer
 from dsv4rl.rollout.generate import (
@@ -138,3 +139,42 @@ def test_rollout_seeds_differ_by_step_and_attempt_and_repeat() -> None:
     assert len(seeds) == 49 * 3
     assert rollout_seed(3, 10) == rollout_seed(3, 10)
     assert all(0 <= seed < 2**31 for seed in seeds)
+
+
+def test_a_lost_engines_call_is_generated_again_whole_on_a_live_one(engine) -> None:
+    """Engine 1 dies with its call in flight: the engine generated the samples, the answer never came
+    back. The call is sent again to engine 0 (EngineRoster.reroute), so every sample kept was generated,
+    whole, by one live engine: the same samples as a run without the fault (the seeds are the samples')."""
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=3)
+    tokenizer = load_tokenizer(ModelConfig())
+    healthy = asyncio.run(generate_samples(clients_for(engine, 2), PROBLEMS, tokenizer, 4, sampling, seed=9))
+    reached: list[str] = []
+
+    def dies_with_the_answer(request: httpx.Request) -> httpx.Response:
+        reached.append(request.url.path)
+        if request.url.path == "/generate":  # the engine computes, the connection breaks on the way back
+            engine.request(request.method, request.url.path, content=request.content, headers=request.headers)
+        raise httpx.ReadError("connection reset by peer", request=request)
+
+    live = clients_for(engine, 1)[0]
+    dead = EngineClient("http://engine-1", transport=httpx.MockTransport(dies_with_the_answer), retries=1)
+    roster = EngineRoster([live, dead], min_alive=1, health_timeout_s=1.0)
+    samples = asyncio.run(
+        generate_samples(roster.live(), PROBLEMS, tokenizer, 4, sampling, seed=9, reroute=roster.reroute)
+    )
+    assert reached.count("/generate") == 2 and "/health_generate" in reached  # retried, then probed
+    assert roster.down == {1} and roster.resent == 1 and roster.live() == [live]
+    assert [(s.group, s.response_ids, s.rollout_logprobs) for s in samples] == [
+        (s.group, s.response_ids, s.rollout_logprobs) for s in healthy
+    ]
+
+
+def test_an_engine_that_answers_its_health_probe_keeps_its_error(engine) -> None:
+    """A call refused by an engine that is alive (a bad request) is the call's error: raised, not resent."""
+    tokenizer = load_tokenizer(ModelConfig())
+    clients = clients_for(engine, 2)
+    roster = EngineRoster(clients, min_alive=1, health_timeout_s=5.0)
+    bad = SamplingConfig(temperature=1.0, max_new_tokens=-1)
+    with pytest.raises(EngineError, match="/generate"):
+        asyncio.run(generate_samples(clients, PROBLEMS, tokenizer, 4, bad, seed=9, reroute=roster.reroute))
+    assert roster.down == set() and roster.resent == 0

@@ -112,6 +112,10 @@ def _captured(tmp_path: Path, encoded: list[str]) -> tuple[list[dict], list, lis
         await client.end_weight_update()
         await client.update_weight_version("3")
         await client.destroy_weights_update_group("weight_update_group-pp1")
+        # an engine was lost: the group is rebuilt under a new name with the engines that answer
+        await client.init_weights_update_group(
+            "10.0.0.1", 29600, 1, 9, "weight_update_group-pp1-regroup1", "nccl"
+        )
         await client.continue_generation()
         await client.release_memory_occupation(["weights", "kv_cache"])
         await client.resume_memory_occupation(None)

@@ -358,3 +358,28 @@ def test_connect_failure_names_the_engine() -> None:
         assert not sync.connected
     finally:
         sync.close()
+
+
+def test_regroup_goes_on_without_a_lost_engine_and_takes_it_back_with_a_full_push(engine_urls) -> None:
+    """A lost engine leaves the group (rebuilt under a new name on the same port) and rejoins it later;
+    the next push gives it every weight, and every request is one SGLang 0.5.23 takes."""
+    first, second = trainer_model(TRAINER_SEED + 2), trainer_model(TRAINER_SEED + 3)
+    recorder = RecordingTransport()
+    with make_sync(engine_urls, bucket_bytes=64 * 1024, transport=recorder) as sync:
+        sync.push(first.state_dict().items(), "r1")
+        sync.regroup([0])
+        assert (sync.group_name, sync.world_size) == ("weight_update_group-regroup1", 2)
+        sync.push(second.state_dict().items(), "r2")
+        assert [version_of(url) for url in engine_urls] == ["r2", "r1"]
+        sync.regroup([0, 1])
+        assert (sync.group_name, sync.world_size) == ("weight_update_group-regroup2", 3)
+        sync.push(second.state_dict().items(), "r3")
+    for url in engine_urls:
+        assert version_of(url) == "r3"
+        assert_engine_holds(url, second)
+    contract = load_contract()
+    assert [p for request in recorder.requests for p in request_problems(contract, *request)] == []
+    destroyed = [body["group_name"] for _, path, body, _ in recorder.requests if path.endswith("group")
+                 and path.startswith("/destroy")]  # fmt: skip
+    assert destroyed == ["weight_update_group", "weight_update_group", "weight_update_group-regroup1",
+                         "weight_update_group-regroup2", "weight_update_group-regroup2"]  # fmt: skip

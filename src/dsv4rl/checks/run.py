@@ -29,7 +29,7 @@ from dsv4rl.model.release_config import (
     tiny_transformers_keys,
 )
 from dsv4rl.quant.sglang_moe import EMULATE_FLAG
-from dsv4rl.topology import data_parallel_size
+from dsv4rl.topology import data_parallel_size, topology
 
 GRADERS = tuple(GraderName)
 PAUSE_MODES = tuple(PauseMode)
@@ -375,6 +375,16 @@ def check_run(cfg: Config, add: Add) -> None:
         add("engine.max_batch_size and engine.max_concurrency must be >= 1")
     if eng.retries < 0:
         add(f"engine.retries must be >= 0 (got {eng.retries})")
+    if eng.max_restarts < 0:
+        add(f"engine.max_restarts must be >= 0 (got {eng.max_restarts}; 0: an engine failure stops the run)")
+    engines = len(topology(cfg).engine_urls())
+    if not 1 <= eng.min_alive <= max(engines, 1):
+        add(
+            f"engine.min_alive={eng.min_alive} must be between 1 and the run's {engines} engine(s): fewer "
+            "engines answering stops the run"
+        )
+    if eng.health_timeout_s <= 0:
+        add(f"engine.health_timeout_s must be > 0 (got {eng.health_timeout_s})")
     if eng.startup_timeout_s <= 0 or eng.request_timeout_s <= 0:
         add("engine.startup_timeout_s and engine.request_timeout_s must be > 0")
     planned = {

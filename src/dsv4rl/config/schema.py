@@ -447,6 +447,16 @@ class EngineConfig:
     # stalls a generate batch.
     freeze_gc: bool = True
     retries: int = 2  # after the first attempt of an idempotent call whose connection broke, or a 502-504
+    # An engine that dies (or hangs past run.step_timeout_s) is restarted by its node's supervisor with its
+    # command and ports, at most this many times per engine and run; its requests go to the others
+    # meanwhile and it rejoins the weight-update group at the next sync (docs/faults.md). 0: an engine
+    # failure stops the run. Colocated engines are never restarted (they share the trainer's GPUs).
+    max_restarts: int = 3
+    # Fewer engines answering than this stops the run (the trainer counts every node's).
+    min_alive: int = 1
+    # How long a failed engine call may wait for the engine's /health_generate before the engine counts as
+    # lost (and its requests are sent to the others).
+    health_timeout_s: float = 10.0
     # SGLang engines' `--dtype` (their activations and unquantized weights). The reference engine computes in
     # float32 on the dequantized weights whatever this says.
     dtype: Dtype = Dtype.bfloat16

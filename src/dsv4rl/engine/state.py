@@ -97,7 +97,8 @@ class Engine:
         self.shutting_down = False
         self.session_open = False
         self.session_sent: set[str] = set()  # tensors written in the open session
-        self.sessions = 0  # sessions opened; an update's heartbeat step is its session's number, from 0
+        self.sessions = 0  # sessions opened
+        self._session_step = 0  # an update's heartbeat step (`session_step`)
         self.spent: str | None = None  # why the weights must not be served (emulated post-processing)
         self.receiver = receiver
         self.startup_time = time.time()
@@ -110,14 +111,19 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ session
     def open_session(self) -> None:
+        held = self.generator.weight_version
         self.session_open, self.session_sent = True, set()
+        # the trainer's step whose weights this session brings: one past the version held (its versions
+        # are its steps), 0 for the engine's first push; else the session's number from 0
+        self._session_step = int(held) + 1 if self.sessions and held.isdigit() else self.sessions
         self.sessions += 1
 
     @property
     def session_step(self) -> int | None:
-        """The open (or last) session's number from 0: the push at start is 0, then the trainer's step
-        (in a run that did not resume). None before any session."""
-        return self.sessions - 1 if self.sessions else None
+        """The open (or last) session's step: 0 for the push at start, then the trainer's step whose
+        weights it brings, in a resumed run and on a restarted engine too (which count from 0 at their
+        first push). None before any session."""
+        return self._session_step if self.sessions else None
 
     def update_failed(self, error: str) -> None:
         """An update request failed inside the open session. Emulating SGLang's non-idempotent path, a

@@ -7,7 +7,7 @@ engines; a peer node that stopped first. `failure` keeps the one line the heartb
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.panel import Panel
@@ -81,9 +81,10 @@ class FailureNarration:
         self._say(Text(f"full log: {child.spec.log_path}", style="dim"), soft_wrap=True)
         return True
 
-    def hung(self, table: dict) -> bool:
+    def hung(self, table: dict, recover: Callable[[Hang], bool] | None = None) -> bool:
         """The hang watchdog: on a trainer phase without progress for `step_timeout_s`, every child with a
-        heartbeat dumps its Python stacks and the run stops."""
+        heartbeat dumps its Python stacks and the run stops; unless `recover(hang)` dealt with it (a hung
+        engine killed to be restarted)."""
         if self.step_timeout_s <= 0:
             return False
         faults = self.table.faults
@@ -93,6 +94,9 @@ class FailureNarration:
         now = time.time()
         self.hang = find_hang(watched, servers, self.step_timeout_s, now)
         if self.hang is None:
+            return False
+        if recover is not None and recover(self.hang):
+            self.hang = None
             return False
         headline = self.hang.headline(self.step_timeout_s)
         self.failure = headline

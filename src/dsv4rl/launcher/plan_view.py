@@ -27,6 +27,7 @@ from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.reference_run import compare as compare_with_reference
 from dsv4rl.config.schema import Config
 from dsv4rl.engine_client.engine_keys import ADMIN_KEY_ENV, engine_keys_file, engines_need_keys
+from dsv4rl.engine_client.roster import restart_budget
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT
 from dsv4rl.launcher.engine_python import engine_python
 from dsv4rl.launcher.estimate_view import (
@@ -49,7 +50,7 @@ from dsv4rl.launcher.plan import (
 )
 from dsv4rl.quant import sglang_moe
 from dsv4rl.reward.rewarder import effective_fns
-from dsv4rl.topology import data_parallel_size, stage_layers, sync_transport, weight_sync_sources
+from dsv4rl.topology import data_parallel_size, stage_layers, sync_transport, topology, weight_sync_sources
 
 
 def _node_cfg(cfg: Config, node: int) -> Config:
@@ -157,6 +158,11 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
             # why a failed push must end with fresh engines (post-processing not idempotent), or null
             "restart_on_failed_push": sglang_moe.restart_reason(cfg),
             "max_requeues": cfg.cluster.max_requeues,  # requeues after failed pushes, per run dir
+            # a dead or hung engine restarted while the run goes on (0: it stops the run; colocated: 0)
+            "max_restarts": restart_budget(cfg),
+            "min_alive": cfg.engine.min_alive,
+            "engines": len(topology(cfg).engine_urls()),
+            "colocated": cfg.parallel.colocate,
             "emulate_non_idempotent_postprocess": sglang_moe.emulates_non_idempotent(cfg),
         },
         "training": training_layout(cfg),
@@ -347,6 +353,18 @@ def _layout_text(layout: dict[str, Any]) -> str:
     )
 
 
+def _restarts_text(engine: dict) -> str:
+    if engine["max_restarts"] == 0:
+        why = " (colocated engines share the trainer's GPUs)" if engine["colocated"] else ""
+        return f"engine restarts: off{why}; an engine failure stops the run"
+    if engine["engines"] < 2:
+        return "engine restarts: none with one engine (engine.min_alive=1); an engine failure stops the run"
+    return (
+        f"engine restarts: a dead or hung engine is restarted, at most {engine['max_restarts']} times, while "
+        f"the others generate (engine.min_alive={engine['min_alive']}); it rejoins at the next sync"
+    )
+
+
 def _moe_text(dtype: str, moe: dict[str, Any]) -> str:
     """One line on what every SGLang engine is given and will hold."""
     family = moe["device_family"] + (" with aiter" if moe["aiter"] else "")
@@ -408,6 +426,7 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     console.print(f"sampling: {sampling}")
     if engine["moe"]:
         console.print(_moe_text(engine["dtype"], engine["moe"]), soft_wrap=True)
+    console.print(_restarts_text(engine), soft_wrap=True)
     if engine["restart_on_failed_push"]:
         console.print(
             f"a failed weight push stops the run: {engine['restart_on_failed_push']}; the engines must be "

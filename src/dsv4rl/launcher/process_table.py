@@ -21,6 +21,7 @@ from dsv4rl.config.choices import ProcessRole
 from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.faults.heartbeat import START
 from dsv4rl.launcher.child_faults import ChildFaults
+from dsv4rl.launcher.engine_restarts import kill_process_group
 from dsv4rl.launcher.plan import ProcessSpec
 from dsv4rl.launcher.procs import Tracker, child_preexec
 
@@ -103,6 +104,17 @@ class ProcessTable:
         self.children.append(child)
         self._say(Text(f"started {spec.name} (pid {proc.pid}), log {spec.log_path}", style="dim"))
         return child
+
+    def restart(self, child: Child) -> Child:
+        """Start `child`'s spec again (same command, ports, environment; its log appended to) in its place;
+        whatever is left of its process group is killed first."""
+        kill_process_group(child.proc.pid)
+        fresh = self.start(child.spec)
+        self.children.remove(child)
+        return fresh
+
+    def engines(self) -> list[Child]:
+        return [c for c in self.children if c.spec.role == ProcessRole.engine]
 
     def trainers(self) -> list[Child]:
         return [c for c in self.children if c.spec.role == ProcessRole.trainer]

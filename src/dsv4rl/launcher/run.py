@@ -22,6 +22,7 @@ from dsv4rl.config.choices import ProcessRole, ResumeMode, Task
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.schema import Config
 from dsv4rl.engine_client.engine_keys import EngineKeysError, engines_need_keys, ensure_engine_keys_file
+from dsv4rl.engine_client.roster import restart_budget
 from dsv4rl.faults.attempts import archive_attempt
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT, clear_failed_push, decide_requeue
 from dsv4rl.faults.files import read_json, write_text_atomic
@@ -38,6 +39,7 @@ from dsv4rl.launcher.plan import (
 )
 from dsv4rl.launcher.run_lock import RunDirInUse, RunLock, unwritable
 from dsv4rl.launcher.supervisor import Supervisor
+from dsv4rl.topology import topology
 
 
 def write_config(cfg: Config, run_dir: Path) -> Path:
@@ -194,6 +196,9 @@ def _run_locked(
         node_addrs=cfg.cluster.node_addrs,
         stop_grace_s=cfg.run.stop_grace_s if task == Task.train else 0.0,  # eval, align: a signal ends them
         resume_hint=resume_command(cfg),
+        max_restarts=restart_budget(cfg) if task == Task.train else 0,
+        engines=len(topology(cfg).engine_urls()),
+        min_alive=cfg.engine.min_alive,
     )
     code = supervisor.run()
     if task == Task.train and node == 0:

@@ -36,6 +36,7 @@ from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT
 from dsv4rl.faults.proc_tree import become_subreaper
 from dsv4rl.faults.stop import STOP_SIGNALS, STOPPED_EXIT
 from dsv4rl.launcher.child_faults import ChildFaults
+from dsv4rl.launcher.engine_restarts import EngineRestarts, kill_process_group
 from dsv4rl.launcher.failure_narration import FailureNarration
 from dsv4rl.launcher.marker import FINISHED, DoneMarker
 from dsv4rl.launcher.node_liveness import NodeLiveness
@@ -55,7 +56,10 @@ class Supervisor:
     `remote_engines`: (name, health URL) of engines on other nodes, waited for before the trainer starts.
     `done_marker`: with trainers in `specs` (node 0 only), written when the run ends; without trainers
     (a rollout-only node), the run ends when it appears. `show_progress`: tail the metrics (one node).
-    `step_timeout_s`: the hang watchdog's limit (0: off). `stop_grace_s`: how long a graceful stop may take
+    `step_timeout_s`: the hang watchdog's limit (0: off). `max_restarts`: how often each engine of this node
+    that dies or hangs is restarted while the run goes on (`dsv4rl.launcher.engine_restarts`; 0: an
+    engine failure stops the run), out of `engines` in the run of which `min_alive` must answer.
+    `stop_grace_s`: how long a graceful stop may take
     (0: every signal stops at once, as for `dsv4rl eval`); `resume_hint`: the command that resumes the run.
 
     `run()` makes this process a child subreaper and treats every process reparented to it during the
@@ -83,6 +87,9 @@ class Supervisor:
         node_addrs: Sequence[str] = (),
         stop_grace_s: float = 0.0,
         resume_hint: str = "",
+        max_restarts: int = 0,
+        engines: int = 1,
+        min_alive: int = 1,
     ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -122,6 +129,11 @@ class Supervisor:
             remote_engines=self.remote_engines,
             node_addrs=node_addrs,
         )
+        self.restarts = EngineRestarts(max_restarts, engines, min_alive)
+        # after a hung engine was killed to restart it, the trainer waits on it no longer: give it a fresh
+        # step_timeout_s to resend that engine's requests before its phase counts as hung
+        self._hang_grace_until = 0.0
+        self.step_timeout_s = step_timeout_s
         self.progress = RunProgress(total_steps)
         self.log_every = max(1, log_every)  # train.log_every: one printed line every that many steps
         self._metrics = MetricsTail(self.run_dir / METRICS_FILE, only_new=True)  # never an earlier run's
@@ -320,12 +332,16 @@ class Supervisor:
             if time.monotonic() - last_refresh >= 1.0:  # a /proc scan: once a second is enough
                 table = self.tracker.refresh()
                 last_refresh = time.monotonic()
-                if self.narration.hung(table):
+                watching = time.time() >= self._hang_grace_until
+                if watching and self.narration.hung(table, self._kill_hung_engine):
                     return 1
+                for name in self.restarts.answered():
+                    self._print(Text(f"{name} answers again: it rejoins at the trainer's next weight sync"))
             self._poll_metrics()
             exited = [(c, c.proc.poll()) for c in self.children if c.proc.poll() is not None]
             failed = [(c, code) for c, code in exited if code != 0 or c.spec.role != ProcessRole.trainer]
             failed = self.stop_protocol.unless_stopping(failed)
+            failed = [(c, code) for c, code in failed if not self._restart_engine(c, code)]
             if failed:
                 for child, code in failed:
                     self.narration.report_failure(
@@ -355,6 +371,44 @@ class Supervisor:
                     return self.stop_protocol.trainers_done()
                 return self._on_node_lost(watch)
             time.sleep(self.poll_s)
+
+    # ----------------------------------------------------------------------------------- engine restarts
+    def _restart_engine(self, child: Child, code: int) -> bool:
+        """An engine of this node ended: start it again when `engine.max_restarts` allows (True)."""
+        if child.spec.role != ProcessRole.engine or self.stop_protocol.stopped.read() is not None:
+            return False
+        refusal = self.restarts.refusal(child.name)
+        if refusal is not None:
+            if self.restarts.max_restarts > 0:
+                self._print(Text(f"✗ not restarted: {refusal}", style="bold red"), soft_wrap=True)
+            return False
+        count = self.restarts.restarted(child.name, child.spec.health_url)
+        self._print(
+            Text(
+                f"! {child.name} {describe_exit(code)}: restarting it with its command and ports (restart "
+                f"{count} of engine.max_restarts={self.restarts.max_restarts}); the trainer sends its "
+                "requests to the other engines meanwhile",
+                style="bold yellow",
+            ),
+            soft_wrap=True,
+        )
+        self.table.restart(child)
+        return True
+
+    def _kill_hung_engine(self, hang: Hang) -> bool:
+        """The watchdog found `hang`: when its culprit is an engine of this node that may be restarted,
+        kill it (its exit restarts it, `_restart_engine`) and let the run go on (True)."""
+        name = hang.culprit.process
+        child = next((c for c in self.table.engines() if c.name == name and c.proc.poll() is None), None)
+        if child is None or self.restarts.refusal(name) is not None:
+            return False
+        self._print(
+            Text(f"! {hang.headline(self.step_timeout_s)}: killing {name} to restart it", "bold yellow"),
+            soft_wrap=True,
+        )
+        kill_process_group(child.proc.pid)
+        self._hang_grace_until = time.time() + self.step_timeout_s
+        return True
 
     def _start_others(self) -> None:
         for spec in self.specs:

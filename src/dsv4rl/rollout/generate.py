@@ -92,6 +92,9 @@ def _to_sample(group: int, prompt_ids: list[int], output: dict, answer: str) -> 
 
 
 GroupHook = Callable[[int, list[Sample]], None]
+# After a call to an engine failed: the engine to send it to instead (the first one is lost), or None to
+# raise the error (`dsv4rl.engine_client.roster.EngineRoster.reroute`).
+Reroute = Callable[[EngineAPI, BaseException], Awaitable[EngineAPI | None]]
 
 
 async def generate_samples(
@@ -105,6 +108,7 @@ async def generate_samples(
     choices: ChoiceRequest | None = None,
     on_group: GroupHook | None = None,
     requests_per_engine: int = 1,
+    reroute: Reroute | None = None,
 ) -> list[Sample]:
     """`group_size` samples for every problem, in prompt-major order; each engine takes a contiguous chunk
     of the prompts, sent as `requests_per_engine` batched /generate calls (1: one call per engine).
@@ -130,13 +134,21 @@ async def generate_samples(
         if first >= last:
             continue
         per_call = -(-(last - first) // max(1, requests_per_engine))
-        for start in range(first, last, per_call):
-            calls.append(_generate_call(client, start, prompt_ids[start : min(start + per_call, last)], stop,
-                                        group_size, sampling, seed, asks))  # fmt: skip
+        calls += [(client, start, min(start + per_call, last)) for start in range(first, last, per_call)]
     by_start: dict[int, list[Sample]] = {}
 
-    async def run(start: int, call: Awaitable[Any]) -> None:
-        outputs = await call
+    async def run(client: EngineAPI, start: int, end: int) -> None:
+        batch = prompt_ids[start:end]
+        while True:
+            _, call = _generate_call(client, start, batch, stop, group_size, sampling, seed, asks)
+            try:
+                outputs = await call
+                break
+            except Exception as error:
+                instead = await reroute(client, error) if reroute is not None else None
+                if instead is None:
+                    raise
+                client = instead
         outputs = outputs if isinstance(outputs, list) else [outputs]
         samples = []
         for offset, output in enumerate(outputs):
@@ -148,7 +160,7 @@ async def generate_samples(
             for at in range(0, len(samples), group_size):
                 on_group(start + at // group_size, samples[at : at + group_size])
 
-    await asyncio.gather(*(run(start, call) for start, call in calls))
+    await asyncio.gather(*(run(client, start, end) for client, start, end in calls))
     samples = [sample for start in sorted(by_start) for sample in by_start[start]]
     if len(samples) != len(problems) * group_size:
         raise ValueError(f"expected {len(problems) * group_size} samples, engines returned {len(samples)}")

@@ -119,6 +119,18 @@ class StagedWeightSync:
                     error = f"stage {source.stage} (rank {source.rank}): {exc}"
             self._agree(error)
 
+    def regroup(self, members: Sequence[int]) -> None:
+        """Collective: every stage's group rebuilt with the engines `members` (`WeightSync.regroup`), one
+        stage after another as in `connect`."""
+        for source in self.sources:
+            error = None
+            if source.rank == self.rank:
+                try:
+                    self.sender.regroup(members)
+                except WeightSyncError as exc:
+                    error = f"stage {source.stage} (rank {source.rank}): rebuilding the group: {exc}"
+            self._agree(error)
+
     def share_wire_format(self, served_format: Callable[[], WireFormat | None] | None) -> None:
         """Rank 0 learns what the engines serve (`served_format`, called there only); every sender then
         encodes to it. A refusal on rank 0 is raised there and, as a WeightSyncError, on every rank."""

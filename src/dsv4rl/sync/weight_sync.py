@@ -152,8 +152,11 @@ class WeightSync:
         if len(ranks) != len(clients) or any(r < 1 for r in ranks):
             raise ValueError(f"engine_ranks must give a positive rank count per engine, got {engine_ranks}")
         self.clients = list(clients)
+        self.all_clients, self.all_ranks = list(clients), ranks  # every engine, whether in the group or not
         self.cfg = sync_cfg
         self.group_name = group_name or sync_cfg.group_name
+        self.base_group_name = self.group_name
+        self.regroups = 0  # groups rebuilt after an engine was lost or came back
         self.backend = backend
         self.master_address = master_address
         self.master_port = int(master_port)
@@ -226,6 +229,27 @@ class WeightSync:
             transport = self._build_transport()
             transport.connect()
             self.transport, self._broken = transport, None
+
+    def regroup(self, members: Sequence[int]) -> None:
+        """Rebuild the group with the engines `members` (indices into the clients this sync was made with):
+        an engine was lost or came back. A communicator with a dead member cannot be used again, so the old
+        group is destroyed on its members that still answer and here, and a new one is created under a new
+        name (SGLang keys groups by name) on the same port (the trainer's store serves every group)."""
+        with self._lock:
+            if self._spent:
+                raise WeightSyncError(self._spent)
+            transport, self.transport, self._broken = self.transport, None, None
+            if transport is not None:
+                transport.close()
+            self.clients = [self.all_clients[i] for i in members]
+            self.engine_ranks = [self.all_ranks[i] for i in members]
+            self.world_size = 1 + sum(self.engine_ranks)
+            self.regroups += 1
+            self.group_name = f"{self.base_group_name}-regroup{self.regroups}"
+            transport = self._build_transport()
+            transport.connect()
+            self.transport = transport
+        log.info("weight-update group %s rebuilt with engines %s", self.group_name, list(members))
 
     def _build_transport(self) -> Transport:
         if self.transport_kind == SyncTransport.tensor:

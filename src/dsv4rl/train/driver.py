@@ -13,6 +13,7 @@ from dsv4rl.data.chat_response import ResponseParser
 from dsv4rl.data.stream import PromptStream
 from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.engine_client.colocated import ColocatedEngines
+from dsv4rl.engine_client.roster import EngineRoster
 from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.reward.rewarder import RewardSet
 from dsv4rl.rollout.multi_turn import MultiTurn
@@ -35,3 +36,8 @@ class Driver:
     renderer: PromptRenderer | None = None  # data.chat_format: problems -> the prompt ids sent
     parser: ResponseParser | None = None  # data.chat_format: responses -> reasoning and answer
     multi_turn: MultiTurn | None = None  # rollout.mode tools / env: trajectories with tool calls
+    roster: EngineRoster | None = None  # engine.max_restarts > 0: the engines that take requests now
+
+    def live_clients(self) -> list[EngineClient]:
+        """The engines that take requests now: all of them, unless one was lost (`roster`)."""
+        return self.roster.live() if self.roster is not None else list(self.clients)

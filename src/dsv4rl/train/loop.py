@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,9 @@ from dsv4rl.config.choices import MemoryTag
 from dsv4rl.config.schema import Config
 from dsv4rl.data.chat_response import response_split_metrics
 from dsv4rl.data.problems import Problem
+from dsv4rl.engine_client.client import EngineError
 from dsv4rl.engine_client.colocated import KV_AND_GRAPHS
+from dsv4rl.engine_client.roster import restart_budget
 from dsv4rl.faults import heartbeat
 from dsv4rl.faults.failed_push import write_failed_push
 from dsv4rl.faults.notices import notify
@@ -101,6 +104,7 @@ class RLLoop:
         self.stop = BoundaryStop(run_dir, self.rank, getattr(backend, "device", None), stop_signals)
         self.saved_step: int | None = None  # the step of the last checkpoint this process wrote
         self.stopped_at: int | None = None  # the step boundary a graceful stop left the loop at
+        self.restarts_on = restart_budget(cfg) > 0  # a lost engine: its requests resent, the group rebuilt
         # algo.async_rollout: rank 0 generates the next step's batch while this one trains
         self.ahead = (
             RolloutAhead(lambda step: self.collect_batch(step, StepTimer(), background=True))
@@ -218,10 +222,12 @@ class RLLoop:
         evaluator = self.driver.evaluator if self.driver is not None else None
         if evaluator is not None and evaluator.due(step):
             with self.phase(timer, "eval", step):  # the engines hold this step's weights now
-                eval_metrics = evaluator.run(step)
+                eval_metrics = self.on_live_engines(partial(evaluator.run, step))
         if self.driver is not None:
             metrics = {"step": step, **train_metrics, **timer.as_metrics(), **rollout_metrics}
             metrics.update(sync_metrics(sync_stats), **verify_metrics, **eval_metrics)
+            if self.driver.roster is not None:
+                metrics.update(self.driver.roster.metrics())  # engine/restarts, engine/alive, rollout/resent
             self.writer.write(metrics)
             if self.trackers is not None:  # after metrics.jsonl; a tracker that fails is dropped
                 self.trackers.log_step(step, metrics)
@@ -357,26 +363,79 @@ class RLLoop:
     def push_weights(self, version: int) -> tuple[SyncStats | None, bool]:
         """Every rank takes part in gathering full tensors; rank 0 (and each other pipeline stage's
         source rank) broadcasts them to the engines. Returns the stats (rank 0) and whether the checks of
-        `sync.verify` are due after this sync (the first one always is)."""
+        `sync.verify` are due after this sync (the first one always is, and one that an engine rejoined at).
+
+        With engine restarts on, the group first follows the engines (`regroup_engines`), and a push that
+        failed because an engine was lost during it is made again once to the engines that answer."""
         verify = self.cfg.sync.verify
         # collective, before anything moves: non-finite weights never reach the engines (NonFiniteError)
         require_finite_weights(self.backend, version, "sync", "nothing was pushed to the engines")
-        due = self.syncs == 0 or version % max(verify.every_steps, 1) == 0
+        rejoined = self.regroup_engines(self.engine_members)
+        due = self.syncs == 0 or version % max(verify.every_steps, 1) == 0 or rejoined
         self.syncs += 1
         colocated = self.driver.colocated if self.driver is not None else None
         if colocated is not None:  # room for the update first; the KV cache once the push is done
             colocated.resume([MemoryTag.weights])
-        named = self.backend.named_weights_for_sync(by_stage=self.weight_sync.by_stage)
-        try:
-            stats = self.weight_sync.push(
-                named, version=str(version), record_checksums=due and verify.checksum
-            )
-        except WeightSyncError as error:
-            self.record_failed_push(version, error)
-            raise
+        for attempt in range(2):
+            named = self.backend.named_weights_for_sync(by_stage=self.weight_sync.by_stage)
+            try:
+                stats = self.weight_sync.push(
+                    named, version=str(version), record_checksums=due and verify.checksum
+                )
+                failure = None
+            except WeightSyncError as error:
+                failure = error
+            if attempt == 0 and self.regroup_engines(partial(self.members_after_failure, failure)):
+                log.warning("pushing the weights of step %d again, to the engines that answer", version)
+                due = True
+                continue
+            break
+        if failure is not None:
+            self.record_failed_push(version, failure)
+            raise failure
         if colocated is not None:
             colocated.resume(KV_AND_GRAPHS)
         return stats, due
+
+    def engine_members(self) -> list[int] | None:
+        """Rank 0, engine restarts on: the engines the group must hold now (None: as it is)."""
+        roster = self.driver.roster if self.driver is not None else None
+        return self.driver.event_loop.run_until_complete(roster.members_for_sync()) if roster else None
+
+    def members_after_failure(self, failure: WeightSyncError | None) -> list[int] | None:
+        """Rank 0, after `failure` of a push: the group without the engines lost during it, when some were
+        and the others can take the push again (None: the failure stands)."""
+        roster = self.driver.roster if self.driver is not None else None
+        if failure is None or roster is None or self.weight_sync.spent:
+            return None
+        lost = self.driver.event_loop.run_until_complete(roster.recheck())
+        if not lost:
+            return None
+        return self.driver.event_loop.run_until_complete(roster.members_for_sync())
+
+    def regroup_engines(self, decide: Callable[[], list[int] | None]) -> bool:
+        """Collective when engine restarts are on: rank 0 `decide`s which engines the weight-update group
+        holds; every stage's group is rebuilt with them when that changed. True when it was rebuilt (a
+        restarted engine then holds the model it loaded: the push is full, and its probe is due)."""
+        if not self.restarts_on:
+            return False
+        box = [decide() if self.driver is not None else None]
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        members = box[0]
+        if members is None:
+            return False
+        self.weight_sync.regroup(members)
+        if self.driver is not None:
+            rejoined = self.driver.roster.regrouped(members)
+            self.follow_live_engines()
+            if rejoined:
+                urls = ", ".join(self.driver.roster.clients[i].base_url for i in rejoined)
+                notify(
+                    f"engine {urls} rejoined the weight-update group; it takes requests once probed",
+                    log,
+                )
+        return True
 
     def record_failed_push(self, version: int, error: WeightSyncError) -> None:
         """Rank 0, when the failed push left engines that must be restarted: `<run_dir>/FAILED_PUSH`, from
@@ -393,13 +452,37 @@ class RLLoop:
         trainer forward is collective. A failed check raises on rank 0 and the run stops."""
         verify = self.cfg.sync.verify
         metrics: dict[str, float] = {}
-        if due and verify.checksum and self.driver is not None:
-            metrics.update(self.driver.verifier.check_checksums(stats.checksums, version))
+        verifier = self.driver.verifier if self.driver is not None else None
+        if due and verify.checksum and verifier is not None:
+            metrics.update(self.on_live_engines(lambda: verifier.check_checksums(stats.checksums, version)))
         if due and self.probe is not None:
             trainer_logprobs = self.backend.compute_logprobs(self.probe, temperature=1.0)
-            if self.driver is not None:
-                metrics.update(self.driver.verifier.check_probe(self.probe, trainer_logprobs, version))
+            if verifier is not None:
+                check = partial(verifier.check_probe, self.probe, trainer_logprobs, version)
+                metrics.update(self.on_live_engines(check))
         return metrics
+
+    def on_live_engines(self, work: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Rank 0: `work` (a check or an eval on the engines); when it failed because an engine was lost
+        meanwhile (engine restarts on), once more on the engines that answer. The lost engine leaves the
+        group at the next sync and is probed when it rejoins."""
+        try:
+            return work()
+        except EngineError:
+            roster = self.driver.roster
+            if roster is None or not self.driver.event_loop.run_until_complete(roster.recheck()):
+                raise
+        live = self.follow_live_engines()
+        log.warning("an engine was lost in a check or an eval: done again on the %d that answer", len(live))
+        return work()
+
+    def follow_live_engines(self) -> list:
+        """Rank 0: the checks and the eval use the engines that take requests now."""
+        live = self.driver.live_clients()
+        self.driver.verifier.clients = live  # a rejoined engine is probed before it takes requests
+        if self.driver.evaluator is not None:
+            self.driver.evaluator.clients = live
+        return live
 
     # ------------------------------------------------------------- checkpoint
     def save_checkpoint(self, step: int) -> None:

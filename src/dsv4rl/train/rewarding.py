@@ -74,11 +74,11 @@ async def generate_and_score(
     seed = rollout_seed(cfg.seed, step, attempt) if cfg.engine.reproducible_sampling else None
     if driver.multi_turn is not None:
         generation = generate_trajectories(
-            driver.clients, problems, driver.multi_turn.runner, algo.group_size, seed, scoring.on_group
+            driver.live_clients(), problems, driver.multi_turn.runner, algo.group_size, seed, scoring.on_group
         )
     else:
         generation = generate_samples(
-            driver.clients,
+            driver.live_clients(),
             problems,
             driver.tokenizer,
             algo.group_size,
@@ -88,6 +88,7 @@ async def generate_and_score(
             choices=ChoiceRequest(algo.routing_replay, algo.indexer_replay),
             on_group=scoring.on_group,
             requests_per_engine=calls_per_engine or calls_for(rewards),
+            reroute=driver.roster.reroute if driver.roster is not None else None,
         )
     rewards.begin_round(step, len(problems) * algo.group_size)  # before any group can be back
     generating = asyncio.ensure_future(generation)

@@ -32,6 +32,7 @@ from dsv4rl.data.stream import build_prompt_stream
 from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.engine_client.colocated import ColocatedEngines
 from dsv4rl.engine_client.engines import engine_clients, freeze_engines_gc, wait_for_engines
+from dsv4rl.engine_client.roster import EngineRoster, restart_budget
 from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.faults.child import child_process
 from dsv4rl.faults.stop import StopSignals
@@ -96,6 +97,7 @@ def build_driver(
         renderer=renderer,
         parser=ResponseParser(renderer) if cfg.data.chat_format == ChatFormat.deepseek_v4 else None,
         multi_turn=multi_turn,
+        roster=EngineRoster.from_config(cfg, clients) if restart_budget(cfg) > 0 else None,
     )
 
 

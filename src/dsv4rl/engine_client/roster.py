@@ -1,0 +1,133 @@
+"""Which of the run's engines take requests now, as the trainer's rank 0 sees them.
+
+An engine is lost when a call to it failed past the client's retries and it then does not answer
+/health_generate within `engine.health_timeout_s` (a dead process, a node gone, an engine killed by its
+supervisor after it hung). Its call is sent again to a live engine (`reroute`): a /generate call returns
+all its samples or none, so no sample generated in part by the lost engine is ever kept, and its groups
+stay whole. Its node's supervisor restarts it (`dsv4rl.launcher.engine_restarts`); at each weight sync the
+trainer asks the lost engines whether they answer again and rebuilds the weight-update group with every
+engine that does (`members_for_sync`): a group with a dead member cannot be used again. A rejoined
+engine takes requests only after the sync that gave it the current weights, and its log-prob probe,
+passed. Fewer live engines than `engine.min_alive` stops the run (`EnginesLost`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from dsv4rl.config.schema import Config
+from dsv4rl.engine_client.client import EngineClient, EngineError
+
+__all__ = ["EngineRoster", "EnginesLost", "restart_budget"]
+
+log = logging.getLogger("dsv4rl.rollout")
+RETURN_PROBE_S = 5.0  # how long a lost engine may take to answer, at a sync, to count as back
+
+
+class EnginesLost(RuntimeError):
+    """Fewer engines answer than `engine.min_alive`: the run cannot go on."""
+
+
+def restart_budget(cfg: Config) -> int:
+    """Restarts per engine and run: `engine.max_restarts`; 0 for colocated engines, which share the
+    trainer's GPUs (a restart would load a second model copy beside the trainer's; docs/faults.md)."""
+    return 0 if cfg.parallel.colocate else cfg.engine.max_restarts
+
+
+class EngineRoster:
+    """`clients`: every engine of the run, in the topology's order (the weight-update group's rank order)."""
+
+    def __init__(self, clients: Sequence[EngineClient], *, min_alive: int, health_timeout_s: float) -> None:
+        self.clients = list(clients)
+        self.min_alive = min_alive
+        self.health_timeout_s = health_timeout_s
+        self.down: set[int] = set()  # lost, not yet rejoined
+        self.members = list(range(len(self.clients)))  # the engines in the weight-update group
+        self.restarts = 0  # engines that came back and rejoined
+        self.resent = 0  # /generate calls sent again to another engine
+
+    @classmethod
+    def from_config(cls, cfg: Config, clients: Sequence[EngineClient]) -> EngineRoster:
+        return cls(clients, min_alive=cfg.engine.min_alive, health_timeout_s=cfg.engine.health_timeout_s)
+
+    def live(self) -> list[EngineClient]:
+        return [client for index, client in enumerate(self.clients) if index not in self.down]
+
+    def metrics(self) -> dict[str, int]:
+        return {
+            "engine/restarts": self.restarts,
+            "engine/alive": len(self.live()),
+            "rollout/resent": self.resent,
+        }
+
+    # ------------------------------------------------------------------------------ during a rollout
+    async def reroute(self, client: EngineClient, error: BaseException) -> EngineClient | None:
+        """After `error` on a call to `client`: the live engine to send the call to instead when `client`
+        is lost, else None (the error is the call's own: the caller raises it)."""
+        if not isinstance(error, EngineError) or client not in self.clients:
+            return None
+        index = self.clients.index(client)
+        if index not in self.down:
+            if await client.health(self.health_timeout_s):
+                return None  # it answers: the failure is the request's, not the engine's
+            self.down.add(index)
+            log.warning(
+                "engine %s is lost (%s; no answer to /health_generate within engine.health_timeout_s=%g s): "
+                "its requests go to the other engines until it rejoins",
+                client.base_url,
+                error,
+                self.health_timeout_s,
+            )
+        live = self.live()
+        if len(live) < self.min_alive or not live:
+            raise EnginesLost(self._too_few(len(live)))
+        self.resent += 1
+        return min(live, key=lambda c: c.in_flight)
+
+    def _too_few(self, alive: int) -> str:
+        lost = ", ".join(self.clients[i].base_url for i in sorted(self.down))
+        return (
+            f"{alive} engine(s) answer, fewer than engine.min_alive={self.min_alive} (lost: {lost}); the run "
+            "stops. resume=auto continues from the last checkpoint with fresh engines"
+        )
+
+    # ------------------------------------------------------------------------------ at a weight sync
+    async def members_for_sync(self) -> list[int] | None:
+        """The engines the weight-update group must hold for this sync (the live ones, and the lost ones
+        that answer /health_generate again), or None when that is the group as it is. The live ones are
+        not probed: one that died unnoticed fails the push, and `recheck` finds it then."""
+        back = sorted(self.down)
+        answers = await asyncio.gather(*(self.clients[i].health(RETURN_PROBE_S) for i in back))
+        wanted = sorted(set(self.live_indices()) | {i for i, ok in zip(back, answers, strict=True) if ok})
+        if len(wanted) < self.min_alive or not wanted:
+            raise EnginesLost(self._too_few(len(wanted)))
+        # a lost engine that is back rejoins even when no sync went without it: its process is a new one
+        rejoining = self.down & set(wanted)
+        return None if wanted == self.members and not rejoining else wanted
+
+    async def recheck(self) -> list[int]:
+        """After a failed push or check: the group's members that no longer answer within
+        engine.health_timeout_s count as lost (returned)."""
+        members = list(self.members)
+        answers = await asyncio.gather(*(self.clients[i].health(self.health_timeout_s) for i in members))
+        lost = [index for index, ok in zip(members, answers, strict=True) if not ok]
+        for index in lost:
+            log.warning("engine %s does not answer /health_generate: lost", self.clients[index].base_url)
+        self.down |= set(lost)
+        return lost
+
+    def live_indices(self) -> list[int]:
+        return [index for index in range(len(self.clients)) if index not in self.down]
+
+    def regrouped(self, members: Sequence[int]) -> list[int]:
+        """The group now holds `members`; returns the engines that rejoined (they take requests now)."""
+        rejoined = sorted(self.down & set(members))
+        self.down -= set(members)
+        self.down |= set(range(len(self.clients))) - set(members)
+        self.members = list(members)
+        self.restarts += len(rejoined)
+        for index in rejoined:
+            log.warning("engine %s rejoined the weight-update group", self.clients[index].base_url)
+        return rejoined

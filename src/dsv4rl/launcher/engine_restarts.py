@@ -1,0 +1,87 @@
+"""An engine that dies or hangs is started again while the run goes on (`engine.max_restarts`).
+
+The supervisor owns the processes, so it decides here whether a failed engine of its node is restarted:
+with its own command, ports and environment (`ProcessTable.restart`), at most `engine.max_restarts` times
+per engine and run. The trainer notices the engine's failure on its own (a request that fails past its
+retries, then no answer to /health_generate): it sends that engine's requests to the others, and lets the
+restarted engine rejoin the weight-update group at the next sync (`dsv4rl.engine_client.roster`).
+
+An engine that fails again before it ever answered /health_generate after a restart is a restart loop (a
+bad node, a port taken, weights that no longer load): it is named and the run stops, whatever budget is
+left. Colocated engines are not restarted (they share the trainer's GPUs: `roster.restart_budget`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from dataclasses import dataclass, field
+
+import httpx
+
+__all__ = ["EngineRestarts", "kill_process_group"]
+
+HEALTH_PROBE_S = 2.0  # one /health_generate probe of a restarted engine, from the supervisor's watch loop
+
+
+@dataclass
+class EngineRestarts:
+    """Per engine of this node: how often it was restarted, and whether it answered since. `engines` (the
+    run's, every node's) and `min_alive`: an engine whose loss leaves fewer than `min_alive` answering is
+    not restarted: the run stops as it did before restarts (one engine: always)."""
+
+    max_restarts: int
+    engines: int = 1
+    min_alive: int = 1
+    counts: dict[str, int] = field(default_factory=dict)
+    starting: dict[str, str] = field(default_factory=dict)  # restarted, not yet healthy: name -> health URL
+
+    def refusal(self, name: str) -> str | None:
+        """Why engine `name` is not restarted (None: restart it)."""
+        if self.max_restarts <= 0:
+            return "engine.max_restarts=0: an engine failure stops the run"
+        if name in self.starting:
+            return (
+                f"{name} failed again before it answered /health_generate after its restart: a restart loop "
+                "(a bad node, a port another process took, weights that no longer load), not retried"
+            )
+        answering = self.engines - len(self.starting) - 1
+        if answering < self.min_alive:
+            return (
+                f"without {name}, {answering} engine(s) of the run's {self.engines} answer, fewer than "
+                f"engine.min_alive={self.min_alive}"
+            )
+        if self.counts.get(name, 0) >= self.max_restarts:
+            return (
+                f"{name} was restarted {self.counts[name]} time(s) already "
+                f"(engine.max_restarts={self.max_restarts})"
+            )
+        return None
+
+    def restarted(self, name: str, health_url: str | None) -> int:
+        """Count a restart; returns its number for this engine."""
+        self.counts[name] = self.counts.get(name, 0) + 1
+        if health_url:
+            self.starting[name] = health_url
+        return self.counts[name]
+
+    def answered(self) -> list[str]:
+        """The restarted engines that answer /health_generate now (each named once)."""
+        back = []
+        for name, url in list(self.starting.items()):
+            try:
+                ok = httpx.get(url, timeout=HEALTH_PROBE_S).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                back.append(name)
+                del self.starting[name]
+        return back
+
+
+def kill_process_group(pid: int) -> None:
+    """SIGKILL a child's whole process group (it was started in a session of its own): an engine's
+    helpers (SGLang's scheduler and detokenizer) must not outlive it and hold its GPUs or ports."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)

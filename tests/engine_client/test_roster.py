@@ -1,0 +1,106 @@
+"""EngineRoster: which engines take requests, who rejoins the weight-update group at a sync, and when too
+few answer for the run to go on. Dead engines are clients whose connection is refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from dsv4rl.config.compose import compose
+from dsv4rl.engine_client.client import EngineClient, EngineError
+from dsv4rl.engine_client.roster import EngineRoster, EnginesLost, restart_budget
+
+
+def refused(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+class Engine:
+    """An engine whose process can die and come back: a client on the SGLang double, or refused."""
+
+    def __init__(self, app, index: int) -> None:
+        self.alive = True
+        self.app = app
+        inner = httpx.ASGITransport(app=app)
+
+        async def handle(request: httpx.Request) -> httpx.Response:
+            if not self.alive:
+                refused(request)
+            return await inner.handle_async_request(request)
+
+        self.client = EngineClient(
+            f"http://engine-{index}:30000", transport=httpx.MockTransport(handle), retries=0, backoff_s=0.01
+        )
+
+
+@pytest.fixture
+def engines(new_app) -> list[Engine]:
+    return [Engine(new_app(), index) for index in range(3)]
+
+
+def lost_error(engine: Engine) -> EngineError:
+    return EngineError(engine.client.base_url, "/generate", "cannot connect")
+
+
+def test_a_dead_engine_is_lost_and_its_call_goes_to_the_least_busy_live_one(engines) -> None:
+    roster = EngineRoster([e.client for e in engines], min_alive=1, health_timeout_s=1.0)
+    engines[1].alive = False
+    instead = asyncio.run(roster.reroute(engines[1].client, lost_error(engines[1])))
+    assert instead in (engines[0].client, engines[2].client)
+    assert roster.down == {1} and roster.resent == 1
+    assert roster.live() == [engines[0].client, engines[2].client]
+    assert roster.metrics() == {"engine/restarts": 0, "engine/alive": 2, "rollout/resent": 1}
+
+
+def test_a_failure_that_is_not_the_engines_is_not_rerouted(engines) -> None:
+    roster = EngineRoster([e.client for e in engines], min_alive=1, health_timeout_s=1.0)
+    assert asyncio.run(roster.reroute(engines[0].client, lost_error(engines[0]))) is None  # it answers
+    assert asyncio.run(roster.reroute(engines[0].client, ValueError("bad output"))) is None
+    assert roster.down == set() and roster.resent == 0
+
+
+def test_fewer_live_engines_than_min_alive_stops_the_run(engines) -> None:
+    roster = EngineRoster([e.client for e in engines], min_alive=2, health_timeout_s=1.0)
+    engines[0].alive = engines[1].alive = False
+    asyncio.run(roster.reroute(engines[0].client, lost_error(engines[0])))
+    with pytest.raises(EnginesLost, match=r"1 engine\(s\) answer, fewer than engine.min_alive=2 \(lost: "):
+        asyncio.run(roster.reroute(engines[1].client, lost_error(engines[1])))
+
+
+def test_the_group_follows_the_engines_and_a_returning_engine_rejoins_at_a_sync(engines) -> None:
+    roster = EngineRoster([e.client for e in engines], min_alive=1, health_timeout_s=1.0)
+    assert asyncio.run(roster.members_for_sync()) is None  # nothing changed: the group stays
+    engines[2].alive = False
+    asyncio.run(roster.reroute(engines[2].client, lost_error(engines[2])))
+    assert asyncio.run(roster.members_for_sync()) == [0, 1]  # the sync goes without engine 2
+    assert roster.regrouped([0, 1]) == []
+    assert asyncio.run(roster.members_for_sync()) is None
+    engines[2].alive = True  # restarted by its supervisor: a new process, holding the model it loaded
+    assert asyncio.run(roster.members_for_sync()) == [0, 1, 2]
+    assert roster.regrouped([0, 1, 2]) == [2]
+    assert roster.down == set() and roster.restarts == 1 and len(roster.live()) == 3
+
+
+def test_an_engine_back_before_any_sync_went_without_it_still_rejoins(engines) -> None:
+    """Its process is new: it holds the model it loaded and is in no group, so the group is rebuilt."""
+    roster = EngineRoster([e.client for e in engines], min_alive=1, health_timeout_s=1.0)
+    engines[1].alive = False
+    asyncio.run(roster.reroute(engines[1].client, lost_error(engines[1])))
+    engines[1].alive = True
+    assert asyncio.run(roster.members_for_sync()) == [0, 1, 2]
+    assert roster.regrouped([0, 1, 2]) == [1]
+
+
+def test_after_a_failed_push_the_members_that_do_not_answer_are_lost(engines) -> None:
+    roster = EngineRoster([e.client for e in engines], min_alive=1, health_timeout_s=1.0)
+    engines[0].alive = False
+    assert asyncio.run(roster.recheck()) == [0]
+    assert asyncio.run(roster.members_for_sync()) == [1, 2]
+
+
+def test_colocated_engines_are_never_restarted() -> None:
+    assert restart_budget(compose("tiny_arith")) == 3
+    assert restart_budget(compose("tiny_arith", ["engine.max_restarts=0"])) == 0
+    assert restart_budget(compose("tiny_arith", ["parallel.colocate=true"])) == 0

@@ -1,0 +1,182 @@
+"""Engine restarts in the supervisor: the policy (`EngineRestarts`) and a supervisor whose fake engine is
+killed while the fake trainer runs: restarted with its command and ports, its old process group gone; a
+restart loop and an exhausted budget stop the run as before."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from dsv4rl.config.choices import ProcessRole
+from dsv4rl.launcher.engine_restarts import EngineRestarts
+from dsv4rl.launcher.plan import ProcessSpec
+from dsv4rl.launcher.supervisor import Supervisor
+
+# A fake engine: /health_generate on its port; writes "<pid> <grandchild pid>" to its pid file (appended
+# per start); fails at start while <run_dir>/broken exists.
+ENGINE = r"""
+import http.server, os, subprocess, sys
+port, run_dir, name = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if os.path.exists(os.path.join(run_dir, "broken")):
+    print("engine: cannot load the weights (fake)", flush=True)
+    sys.exit(2)
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+with open(os.path.join(run_dir, name + ".pids"), "a") as f:
+    f.write(f"{os.getpid()} {grandchild.pid}\n")
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer.allow_reuse_address = True
+http.server.ThreadingHTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+# A fake trainer: runs until <run_dir>/go appears.
+TRAINER = r"""
+import os, sys, time
+while not os.path.exists(os.path.join(sys.argv[1], "go")):
+    time.sleep(0.05)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_spec(run_dir: Path, name: str) -> ProcessSpec:
+    port = free_port()
+    return ProcessSpec(
+        name=name,
+        argv=[sys.executable, "-c", ENGINE, str(port), str(run_dir), name],
+        env=dict(os.environ),
+        log_path=run_dir / "logs" / f"{name}.log",
+        role=ProcessRole.engine,
+        health_url=f"http://127.0.0.1:{port}/health_generate",
+    )
+
+
+def trainer_spec(run_dir: Path) -> ProcessSpec:
+    return ProcessSpec(
+        name="trainer",
+        argv=[sys.executable, "-c", TRAINER, str(run_dir)],
+        env=dict(os.environ),
+        log_path=run_dir / "logs" / "trainer.log",
+        role=ProcessRole.trainer,
+    )
+
+
+def starts(run_dir: Path, name: str) -> list[tuple[int, int]]:
+    path = run_dir / f"{name}.pids"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [tuple(map(int, line.split())) for line in lines]
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def run_with_a_kill(
+    tmp_path: Path, engines: int, max_restarts: int, then, broken_restart: bool = False
+) -> tuple[int, str, Supervisor]:
+    """Engine 1 (or 0 when alone) is SIGKILLed once the run is under way (the engines answered: a failure
+    at start-up is a failed start, never restarted); `then()` runs after, and the trainer is told to
+    finish. `broken_restart`: from the kill on, the engine fails at start."""
+    out = io.StringIO()
+    console = Console(file=out, width=200, force_terminal=False, color_system=None)
+    specs = [engine_spec(tmp_path, f"engine-{i}") for i in range(engines)] + [trainer_spec(tmp_path)]
+    victim = f"engine-{engines - 1}"
+    sup = Supervisor(specs, tmp_path, console=console, grace_s=3.0, poll_s=0.05, startup_timeout_s=20.0,
+                     max_restarts=max_restarts, engines=engines, min_alive=1)  # fmt: skip
+
+    def kill() -> None:
+        wait_until(lambda: "engines healthy" in out.getvalue())
+        if broken_restart:
+            (tmp_path / "broken").touch()
+        os.kill(starts(tmp_path, victim)[0][0], signal.SIGKILL)
+        then()
+        (tmp_path / "go").touch()
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    code = sup.run()
+    killer.join()
+    return code, out.getvalue(), sup
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_the_policy_names_why_an_engine_is_not_restarted() -> None:
+    assert EngineRestarts(0, engines=2).refusal("engine-1") == (
+        "engine.max_restarts=0: an engine failure stops the run"
+    )
+    alone = EngineRestarts(3, engines=1, min_alive=1).refusal("engine-0")
+    assert alone == "without engine-0, 0 engine(s) of the run's 1 answer, fewer than engine.min_alive=1"
+    policy = EngineRestarts(2, engines=4, min_alive=3)
+    assert policy.refusal("engine-1") is None
+    policy.restarted("engine-1", "http://127.0.0.1:1/health_generate")
+    assert "a restart loop" in policy.refusal("engine-1")  # failed again before it ever answered
+    assert "without engine-2, 2 engine(s) of the run's 4 answer" in policy.refusal("engine-2")
+    policy.starting.clear()  # it answered
+    policy.restarted("engine-1", None)
+    assert policy.refusal("engine-1") == "engine-1 was restarted 2 time(s) already (engine.max_restarts=2)"
+
+
+def test_a_killed_engine_is_restarted_with_its_command_and_ports_and_the_run_finishes(tmp_path) -> None:
+    def restarted_and_answering() -> None:
+        wait_until(lambda: len(starts(tmp_path, "engine-1")) == 2)
+
+    code, out, sup = run_with_a_kill(tmp_path, engines=2, max_restarts=3, then=restarted_and_answering)
+    assert code == 0, out
+    assert "! engine-1 was killed by SIGKILL (exit code -9): restarting it with its command and ports" in out
+    assert "(restart 1 of engine.max_restarts=3)" in out
+    assert sup.restarts.counts == {"engine-1": 1}
+    log = (tmp_path / "logs" / "engine-1.log").read_text()
+    assert log.count("starting engine-1:") == 2  # the same log, appended to
+    first, second = starts(tmp_path, "engine-1")
+    assert first[0] != second[0]
+    assert all(gone(pid) for pid in (*first, *second))  # the killed engine's grandchild did not outlive it
+
+
+def test_without_restarts_the_kill_stops_the_run_as_before(tmp_path) -> None:
+    code, out, sup = run_with_a_kill(tmp_path, engines=2, max_restarts=0, then=lambda: None)
+    assert code == 128 + signal.SIGKILL
+    assert "engine-1 was killed by SIGKILL" in out and "restarting" not in out
+    assert sup.status == "failed"
+
+
+def test_the_runs_only_engine_is_not_restarted(tmp_path) -> None:
+    code, out, _ = run_with_a_kill(tmp_path, engines=1, max_restarts=3, then=lambda: None)
+    assert code == 128 + signal.SIGKILL
+    assert "✗ not restarted: without engine-0, 0 engine(s) of the run's 1 answer" in out
+
+
+def test_an_engine_that_fails_again_at_start_is_a_restart_loop_not_retried(tmp_path) -> None:
+    code, out, sup = run_with_a_kill(
+        tmp_path, engines=2, max_restarts=3, then=lambda: time.sleep(0.5), broken_restart=True
+    )
+    assert code == 2, out
+    assert (
+        "engine-1 failed again before it answered /health_generate after its restart: a restart loop" in out
+    )
+    assert sup.restarts.counts == {"engine-1": 1}
