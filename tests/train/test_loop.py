@@ -64,7 +64,7 @@ def test_sync_weights_verifies_when_due_and_stops_on_a_failed_check(monkeypatch)
     cfg = Config()
     cfg.sync.verify.checksum, cfg.sync.verify.logprob_probe, cfg.sync.verify.every_steps = True, True, 3
     verifier = Verifier()
-    driver = SimpleNamespace(verifier=verifier, colocated=None)
+    driver = SimpleNamespace(verifier=verifier, colocated=None, roster=None)
     probe = torch.zeros(2, 5, dtype=torch.long)
     loop = RLLoop(cfg, Engine(), Path("unused"), driver=driver, weight_sync=Sync(), probe=probe)
     stats, metrics = loop.sync_weights(version=1)  # the first sync of the process: checked

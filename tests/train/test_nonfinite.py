@@ -135,7 +135,7 @@ def test_the_loop_never_pushes_nonfinite_weights(monkeypatch) -> None:
         def push(self, named, version, record_checksums):
             pushed.append(version)
 
-    driver = SimpleNamespace(colocated=None)
+    driver = SimpleNamespace(colocated=None, roster=None)
     loop = RLLoop(Config(), Backend(), Path("unused"), driver=driver, weight_sync=Sync())
     with pytest.raises(NonFiniteError) as stopped:
         loop.push_weights(version=5)

@@ -377,7 +377,7 @@ def check_run(cfg: Config, add: Add) -> None:
         add(f"engine.retries must be >= 0 (got {eng.retries})")
     if eng.max_restarts < 0:
         add(f"engine.max_restarts must be >= 0 (got {eng.max_restarts}; 0: an engine failure stops the run)")
-    engines = len(topology(cfg).engine_urls())
+    engines = len(topology(cfg).engines)
     if not 1 <= eng.min_alive <= max(engines, 1):
         add(
             f"engine.min_alive={eng.min_alive} must be between 1 and the run's {engines} engine(s): fewer "

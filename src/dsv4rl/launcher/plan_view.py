@@ -161,7 +161,7 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
             # a dead or hung engine restarted while the run goes on (0: it stops the run; colocated: 0)
             "max_restarts": restart_budget(cfg),
             "min_alive": cfg.engine.min_alive,
-            "engines": len(topology(cfg).engine_urls()),
+            "engines": len(topology(cfg).engines),
             "colocated": cfg.parallel.colocate,
             "emulate_non_idempotent_postprocess": sglang_moe.emulates_non_idempotent(cfg),
         },

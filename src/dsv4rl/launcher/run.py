@@ -197,7 +197,7 @@ def _run_locked(
         stop_grace_s=cfg.run.stop_grace_s if task == Task.train else 0.0,  # eval, align: a signal ends them
         resume_hint=resume_command(cfg),
         max_restarts=restart_budget(cfg) if task == Task.train else 0,
-        engines=len(topology(cfg).engine_urls()),
+        engines=len(topology(cfg).engines),
         min_alive=cfg.engine.min_alive,
     )
     code = supervisor.run()
