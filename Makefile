@@ -46,17 +46,21 @@ sglang-contract:
 	$(PY) -m pip download --no-deps --quiet -d build/sglang-wheel "$(SGLANG_SPEC)"
 	$(PY) -m dsv4rl.engine.sglang_contract build/sglang-wheel/sglang-*.whl
 
-# The whole suite on TEST_WORKERS pytest-xdist workers (a test file per unit of work, the end-to-end files
-# first: tests/conftest.py), with its 25 slowest tests named at the end (CI's log keeps them).
-# TEST_WORKERS=0 runs it in this one process.
-TEST_WORKERS ?= 2
+# The whole suite, with its 25 slowest tests named at the end (CI's log keeps them). TEST_WORKERS=N runs it
+# on N pytest-xdist workers (a test file per unit of work, the end-to-end files first: tests/conftest.py):
+# worth it with at least 2 cores per worker. The end-to-end runs each keep about 1.5 cores busy, so on
+# CI's 2 cores two workers made them over twice as slow and a 120-step run passed its 900 s limit: 0 (one
+# process) is the default.
+TEST_WORKERS ?= 0
 test:
 	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # The inner loop: neither the end-to-end runs and the other `slow` tests nor the `sglang` group (SGLang's
 # interpreter starts per environment; `make test-sglang` runs that group, `make test` everything).
+# Its tests are single-threaded: two workers (FAST_WORKERS) halve its time on two cores.
+FAST_WORKERS ?= 2
 test-fast:
-	$(PY) -m pytest -q -m "not slow and not sglang" --durations=10
+	$(PY) -m pytest -q -m "not slow and not sglang" --durations=10 -n $(FAST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # dsv4rl's output through SGLang 0.5.23's own code, in its interpreter (after `make install-sglang`)
 test-sglang:

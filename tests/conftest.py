@@ -13,9 +13,10 @@ import pytest
 
 from dsv4rl.model.model_dir import CACHE_ENV
 
-# `make test` runs on two pytest-xdist workers (--dist loadgroup): a test file is one unit of work, so its
-# module fixtures are built once; files that share a session fixture are one unit (SHARED_FIXTURE_GROUPS),
-# and the end-to-end files are handed out first, so that the longest units do not start last.
+# On pytest-xdist workers (`make test-fast`, `make test TEST_WORKERS=N`; --dist loadgroup): a test file is
+# one unit of work, so its module fixtures are built once; files that share a session fixture are one unit
+# (SHARED_FIXTURE_GROUPS), and the end-to-end files are handed out first, so that the longest units do not
+# start last.
 SHARED_FIXTURE_GROUPS = {
     "tests/e2e/test_train_cpu.py": "trained_arith",  # trained_arith and short_arith (tests/e2e/conftest.py)
     "tests/e2e/test_two_nodes_cpu.py": "trained_arith",
