@@ -71,8 +71,9 @@ def measure_overlap(repeats: int, log_dir: Path, calls: int | None = None) -> di
         rewards = RewardSet.from_config(cfg.reward, [ROOT])
         loop.run_until_complete(rewards.start())
         client = EngineClient(urls["engine"])
-        driver = SimpleNamespace(clients=[client], tokenizer=tokenizer, renderer=renderer,
-                                 parser=None, rewards=rewards, multi_turn=None)  # fmt: skip
+        driver = SimpleNamespace(clients=[client], tokenizer=tokenizer, renderer=renderer, parser=None,
+                                 rewards=rewards, multi_turn=None, roster=None,
+                                 live_clients=lambda: [client])  # fmt: skip
         stream = build_prompt_stream(cfg, renderer)
         algo = cfg.algo
         for repeat in range(-1, repeats + 1):  # two warm-ups: the first scores after generating, the second
