@@ -53,7 +53,7 @@ class EngineRoster:
         return cls(clients, min_alive=cfg.engine.min_alive, health_timeout_s=cfg.engine.health_timeout_s)
 
     def live(self) -> list[EngineClient]:
-        return [client for index, client in enumerate(self.clients) if index not in self.down]
+        return [self.clients[index] for index in self.live_indices()]
 
     def metrics(self) -> dict[str, int]:
         return {
@@ -81,7 +81,7 @@ class EngineRoster:
                 self.health_timeout_s,
             )
         live = self.live()
-        if len(live) < self.min_alive or not live:
+        if len(live) < self.min_alive:  # min_alive >= 1: validated
             raise EnginesLost(self._too_few(len(live)))
         self.resent += 1
         return min(live, key=lambda c: c.in_flight)
@@ -101,7 +101,7 @@ class EngineRoster:
         back = sorted(self.down)
         answers = await asyncio.gather(*(self.clients[i].health(RETURN_PROBE_S) for i in back))
         wanted = sorted(set(self.live_indices()) | {i for i, ok in zip(back, answers, strict=True) if ok})
-        if len(wanted) < self.min_alive or not wanted:
+        if len(wanted) < self.min_alive:
             raise EnginesLost(self._too_few(len(wanted)))
         # a lost engine that is back rejoins even when no sync went without it: its process is a new one
         rejoining = self.down & set(wanted)
@@ -128,6 +128,4 @@ class EngineRoster:
         self.down |= set(range(len(self.clients))) - set(members)
         self.members = list(members)
         self.restarts += len(rejoined)
-        for index in rejoined:
-            log.warning("engine %s rejoined the weight-update group", self.clients[index].base_url)
-        return rejoined
+        return rejoined  # the loop says so on the console

@@ -13,14 +13,11 @@ left. Colocated engines are not restarted (they share the trainer's GPUs: `roste
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 from dataclasses import dataclass, field
 
 import httpx
 
-__all__ = ["EngineRestarts", "kill_process_group"]
+__all__ = ["EngineRestarts"]
 
 HEALTH_PROBE_S = 2.0  # one /health_generate probe of a restarted engine, from the supervisor's watch loop
 
@@ -78,10 +75,3 @@ class EngineRestarts:
                 back.append(name)
                 del self.starting[name]
         return back
-
-
-def kill_process_group(pid: int) -> None:
-    """SIGKILL a child's whole process group (it was started in a session of its own): an engine's
-    helpers (SGLang's scheduler and detokenizer) must not outlive it and hold its GPUs or ports."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)

@@ -20,8 +20,8 @@ from rich.text import Text
 from dsv4rl.config.choices import ProcessRole
 from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.faults.heartbeat import START
+from dsv4rl.faults.proc_tree import kill_group
 from dsv4rl.launcher.child_faults import ChildFaults
-from dsv4rl.launcher.engine_restarts import kill_process_group
 from dsv4rl.launcher.plan import ProcessSpec
 from dsv4rl.launcher.procs import Tracker, child_preexec
 
@@ -108,7 +108,7 @@ class ProcessTable:
     def restart(self, child: Child) -> Child:
         """Start `child`'s spec again (same command, ports, environment; its log appended to) in its place;
         whatever is left of its process group is killed first."""
-        kill_process_group(child.proc.pid)
+        kill_group(child.proc.pid)
         fresh = self.start(child.spec)
         self.children.remove(child)
         return fresh

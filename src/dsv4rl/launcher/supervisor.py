@@ -33,10 +33,10 @@ from rich.text import Text
 
 from dsv4rl.config.choices import ProcessRole
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT
-from dsv4rl.faults.proc_tree import become_subreaper
+from dsv4rl.faults.proc_tree import become_subreaper, kill_group
 from dsv4rl.faults.stop import STOP_SIGNALS, STOPPED_EXIT
 from dsv4rl.launcher.child_faults import ChildFaults
-from dsv4rl.launcher.engine_restarts import EngineRestarts, kill_process_group
+from dsv4rl.launcher.engine_restarts import EngineRestarts
 from dsv4rl.launcher.failure_narration import FailureNarration
 from dsv4rl.launcher.marker import FINISHED, DoneMarker
 from dsv4rl.launcher.node_liveness import NodeLiveness
@@ -133,7 +133,6 @@ class Supervisor:
         # after a hung engine was killed to restart it, the trainer waits on it no longer: give it a fresh
         # step_timeout_s to resend that engine's requests before its phase counts as hung
         self._hang_grace_until = 0.0
-        self.step_timeout_s = step_timeout_s
         self.progress = RunProgress(total_steps)
         self.log_every = max(1, log_every)  # train.log_every: one printed line every that many steps
         self._metrics = MetricsTail(self.run_dir / METRICS_FILE, only_new=True)  # never an earlier run's
@@ -402,12 +401,10 @@ class Supervisor:
         child = next((c for c in self.table.engines() if c.name == name and c.proc.poll() is None), None)
         if child is None or self.restarts.refusal(name) is not None:
             return False
-        self._print(
-            Text(f"! {hang.headline(self.step_timeout_s)}: killing {name} to restart it", "bold yellow"),
-            soft_wrap=True,
-        )
-        kill_process_group(child.proc.pid)
-        self._hang_grace_until = time.time() + self.step_timeout_s
+        headline = hang.headline(self.narration.step_timeout_s)
+        self._print(Text(f"! {headline}: killing {name} to restart it", "bold yellow"), soft_wrap=True)
+        kill_group(child.proc.pid)
+        self._hang_grace_until = time.time() + self.narration.step_timeout_s
         return True
 
     def _start_others(self) -> None:
