@@ -12,17 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from free_ports import free_port
+
 SCRIPT = Path(__file__).with_name("every_value.py")
 sys.path.insert(0, str(SCRIPT.parent))
 from every_value import all_cases  # noqa: E402
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from free_ports import port_overrides
 
 CLI = [sys.executable, "-m", "dsv4rl.cli", "train"]
 NON_TIMING = ("reward_mean", "reward_std", "response_len_mean", "grad_norm", "entropy", "sync_bytes")
@@ -16,20 +17,6 @@ LEARNING_STEPS = 120
 # first) and an eval every 3 (the two-node test compares the last one); the seeded reference engine makes
 # every step reproducible, so 6 steps check what a longer run would.
 SHORT_RUN = ("train.steps=6", "train.checkpoint_every=2", "eval.every_steps=3")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def port_overrides() -> list[str]:
-    return [
-        f"engine.port={free_port()}",
-        f"cluster.master_port={free_port()}",
-        f"cluster.weight_sync_port={free_port()}",
-    ]
 
 
 def train(

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train_cpu import port_overrides
+
+from free_ports import port_overrides
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trackers"))
 from tracker_readers import tensorboard_scalars, tensorboard_texts, wandb_history, wandb_summary  # noqa: E402

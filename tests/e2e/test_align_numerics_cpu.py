@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train_cpu import port_overrides
+
+from free_ports import port_overrides
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_train_cpu import train
+from cli_runs import train
 
 from dsv4rl.metrics import read_metrics
 

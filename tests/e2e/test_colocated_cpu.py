@@ -5,7 +5,6 @@ released for training and taken back in slime's order, each sync verified bit fo
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,20 +12,15 @@ from pathlib import Path
 import pytest
 
 from dsv4rl.metrics import read_metrics
+from free_ports import port_overrides
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_colocated_tiny_arith_learns(tmp_path: Path) -> None:
     run_dir = tmp_path / "colocated"
     argv = [sys.executable, "-m", "dsv4rl.cli", "train", "recipe=tiny_arith", f"run.dir={run_dir}",
-            "run.progress=false", f"engine.port={free_port()}", f"cluster.master_port={free_port()}",
+            "run.progress=false", *port_overrides(),
             "parallel.colocate=true", "train.steps=30"]  # fmt: skip
     result = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{' '.join(argv)}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"

@@ -12,12 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_runs import LEARNING_STEPS, port_overrides
+from cli_runs import LEARNING_STEPS
 
 from dsv4rl.config.choices import QuantMode
 from dsv4rl.faults.inject import HANG_ENV, KILL_ENV
 from dsv4rl.metrics import read_metrics
 from dsv4rl.sync.verify import PROBE_BOUNDS
+from free_ports import port_overrides
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 20  # run.step_timeout_s of the hang run: well above a real phase of its small steps

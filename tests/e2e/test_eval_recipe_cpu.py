@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_train_cpu import port_overrides
+
+from free_ports import port_overrides
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train" / "fsdp"))
 from fsdp_scenarios import make_batch  # noqa: E402

@@ -12,11 +12,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_train_cpu import CLI, NON_TIMING, port_overrides
+from cli_runs import CLI, NON_TIMING
 
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT
 from dsv4rl.faults.inject import FAIL_ENV
 from dsv4rl.metrics import read_metrics
+from free_ports import port_overrides
 
 pytestmark = pytest.mark.slow
 

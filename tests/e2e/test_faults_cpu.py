@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,15 +21,10 @@ from dsv4rl.faults.inject import HANG_ENV, KILL_ENV
 from dsv4rl.faults.run_outcome import read_run_outcome
 from dsv4rl.metrics import read_metrics
 from dsv4rl.train.checkpoint_dirs import checkpoint_dir, complete_checkpoints
+from free_ports import port_overrides
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 30  # well above a real phase of these small steps on 2 busy cores
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(run_dir: Path, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess:
@@ -39,8 +33,7 @@ def run(run_dir: Path, env: dict[str, str], *overrides: str) -> subprocess.Compl
         "run.progress=false", f"run.step_timeout_s={TIMEOUT_S}", "train.steps=3", "eval.every_steps=0",
         "algo.prompts_per_step=4", "algo.group_size=4",  # 16 samples a step: a loaded machine's train
         # phase of the recipe's 512 took 28 s
-        f"engine.port={free_port()}", f"cluster.master_port={free_port()}",
-        f"cluster.weight_sync_port={free_port()}", *overrides,
+        *port_overrides(), *overrides,
     ]  # fmt: skip
     return subprocess.run(argv, capture_output=True, text=True, timeout=600, env={**os.environ, **env})
 

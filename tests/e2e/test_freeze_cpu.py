@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from cli_runs import train
 from safetensors.torch import load_file, save_file
-from test_train_cpu import train
 
 from dsv4rl.config.schema import Config
 from dsv4rl.export.sources import checkpoint_tensors, find_checkpoint

@@ -5,7 +5,6 @@ naming the weight, before anything is pushed or checkpointed."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,14 +15,9 @@ import torch
 from dsv4rl.faults.nonfinite import NONFINITE_ENV
 from dsv4rl.metrics import read_metrics
 from dsv4rl.train.checkpoint_dirs import FINITE, TRAINER_STATE
+from free_ports import port_overrides
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_nonfinite_step_is_skipped_and_nonfinite_weights_stop_the_run(tmp_path: Path) -> None:
@@ -32,8 +26,7 @@ def test_a_nonfinite_step_is_skipped_and_nonfinite_weights_stop_the_run(tmp_path
         sys.executable, "-m", "dsv4rl.cli", "train", "recipe=tiny_arith", f"run.dir={run_dir}",
         "run.progress=false", "train.steps=4", "train.checkpoint_every=1", "train.keep_checkpoints=5",
         "eval.every_steps=0", "algo.prompts_per_step=4", "algo.group_size=4",
-        f"engine.port={free_port()}", f"cluster.master_port={free_port()}",
-        f"cluster.weight_sync_port={free_port()}",
+        *port_overrides(),
     ]  # fmt: skip
     env = {**os.environ, NONFINITE_ENV: "advantages:2,weights:3"}
     result = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)

@@ -20,12 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_train_cpu import CLI, port_overrides
+from cli_runs import CLI
 from test_two_nodes_cpu import Node, assert_no_process_left, job, wait_for_steps
 
 from dsv4rl.engine_client.engine_keys import ADMIN_KEY_ENV, API_KEY_ENV
 from dsv4rl.launcher.node_liveness import heartbeat_path, read_heartbeat
 from dsv4rl.metrics import read_metrics
+from free_ports import port_overrides
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train_cpu import CLI, NON_TIMING, port_overrides, train
+from cli_runs import CLI, NON_TIMING, train
 
 from dsv4rl.faults.stop import STOPPED_EXIT
 from dsv4rl.metrics import read_metrics
+from free_ports import port_overrides
 
 pytestmark = pytest.mark.slow
 

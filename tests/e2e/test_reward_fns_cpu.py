@@ -15,9 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_train_cpu import free_port, port_overrides, train
+from cli_runs import train
 
 from dsv4rl.metrics import read_metrics
+from free_ports import free_port, port_overrides
 from marked_processes import running_with
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_train_cpu import CLI, port_overrides, train
+from cli_runs import CLI, train
 
 from dsv4rl.metrics import read_metrics
+from free_ports import port_overrides
 
 pytestmark = pytest.mark.slow
 

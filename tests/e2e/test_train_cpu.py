@@ -16,15 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import CLI, LEARNING_STEPS, NON_TIMING, SHORT_RUN, free_port, port_overrides, train
+from cli_runs import CLI, LEARNING_STEPS, NON_TIMING, SHORT_RUN, train
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dsv4rl.metrics import STEP_KEYS, read_metrics
+from free_ports import port_overrides
 
 pytestmark = pytest.mark.slow
 
-# the other end-to-end files import these from here
-__all__ = ["CLI", "NON_TIMING", "free_port", "port_overrides", "train"]
 # The variants (another backend, weight format, rollout mode) run 30 steps: their cosine decay over 30 steps
 # takes the fp32 FSDP run from a 0.05 mean reward over steps 1-5 to 0.29 over the last ten; a variant
 # that did not learn would stay near 0.05. The demo keeps the full curve.

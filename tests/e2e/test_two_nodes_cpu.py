@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_runs import SHORT_RUN
-from test_train_cpu import CLI, NON_TIMING, port_overrides
+from cli_runs import CLI, NON_TIMING, SHORT_RUN
 
 from dsv4rl.launcher.node_liveness import heartbeat_path, read_heartbeat
 from dsv4rl.metrics import read_metrics
+from free_ports import port_overrides
 
 TWO_NODES = (
     "cluster.nnodes=2",

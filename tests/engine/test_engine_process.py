@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,12 +11,7 @@ import httpx
 import pytest
 
 from dsv4rl.engine_client.engine_keys import ADMIN_KEY_ENV, API_KEY_ENV, ensure_engine_keys_file
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from free_ports import free_port
 
 
 def test_server_process(model_dir, tmp_path):

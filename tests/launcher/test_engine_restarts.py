@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from dsv4rl.config.choices import ProcessRole
 from dsv4rl.launcher.engine_restarts import EngineRestarts
 from dsv4rl.launcher.plan import ProcessSpec
 from dsv4rl.launcher.supervisor import Supervisor
+from free_ports import free_port
 
 # A fake engine: /health_generate on its port; writes "<pid> <grandchild pid>" to its pid file (appended
 # per start); fails at start while <run_dir>/broken exists.
@@ -47,12 +47,6 @@ import os, sys, time
 while not os.path.exists(os.path.join(sys.argv[1], "go")):
     time.sleep(0.05)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_spec(run_dir: Path, name: str) -> ProcessSpec:

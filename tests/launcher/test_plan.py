@@ -23,14 +23,9 @@ from dsv4rl.launcher.plan import (
     port_is_free,
     remote_engine_health,
 )
+from free_ports import free_port, free_ports
 
 RUN = Path("/runs/r1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def by_name(specs):
@@ -187,8 +182,7 @@ def test_engine_spanning_nodes_is_refused():
 def _ports_cfg(engines: int = 2) -> Config:
     cfg = Config()
     cfg.parallel.rollout.num_engines = engines
-    cfg.engine.port = free_port()
-    cfg.cluster.master_port, cfg.cluster.weight_sync_port = free_port(), free_port()
+    cfg.engine.port, cfg.cluster.master_port, cfg.cluster.weight_sync_port = free_ports(3)
     return cfg
 
 

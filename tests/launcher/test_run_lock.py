@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_supervisor import capture, engine_spec, free_port, trainer_spec, written_pids
+from test_supervisor import capture, engine_spec, trainer_spec, written_pids
 
 from dsv4rl.config.choices import ResumeMode
 from dsv4rl.config.compose import ConfigError
@@ -23,6 +23,7 @@ from dsv4rl.config.schema import Config
 from dsv4rl.launcher.plan import PortInUse, check_ports, port_is_free
 from dsv4rl.launcher.run import RunDirInUse, run_training
 from dsv4rl.launcher.run_lock import RunDirLocked, RunDirUnwritable, RunLock, lock_path
+from free_ports import free_port, free_ports
 
 HOLDER = r"""
 import sys, time
@@ -137,7 +138,8 @@ def test_an_unwritable_run_dir_is_one_line_with_the_fix(tmp_path, monkeypatch) -
 def test_an_unwritable_run_dir_from_the_command_line(tmp_path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    ports = [f"engine.port={free_port()}", f"cluster.master_port={free_port()}"]
+    engine_port, master_port = free_ports(2)
+    ports = [f"engine.port={engine_port}", f"cluster.master_port={master_port}"]
     argv = [
         sys.executable,
         "-m",
@@ -160,8 +162,7 @@ def test_an_unwritable_run_dir_from_the_command_line(tmp_path) -> None:
 def test_every_busy_port_is_named_in_one_refusal() -> None:
     cfg = Config()
     cfg.parallel.rollout.num_engines = 2
-    cfg.engine.port, cfg.cluster.master_port = free_port(), free_port()
-    cfg.cluster.weight_sync_port = free_port()
+    cfg.engine.port, cfg.cluster.master_port, cfg.cluster.weight_sync_port = free_ports(3)
     busy = [cfg.engine.port + 1, cfg.cluster.master_port, cfg.cluster.weight_sync_port]
     holders = []
     try:
@@ -289,8 +290,7 @@ def _cfg(run_dir: Path) -> Config:
     cfg.run.dir = str(run_dir)
     cfg.train.steps = 2
     cfg.model.path = str(run_dir.parent / "model")  # given: nothing to materialize
-    cfg.engine.port = free_port()
-    cfg.cluster.master_port, cfg.cluster.weight_sync_port = free_port(), free_port()
+    cfg.engine.port, cfg.cluster.master_port, cfg.cluster.weight_sync_port = free_ports(3)
     return cfg
 
 

@@ -29,6 +29,7 @@ from dsv4rl.launcher.marker import DoneMarker, read_status, write_marker
 from dsv4rl.launcher.plan import PortInUse, ProcessSpec
 from dsv4rl.launcher.run import run_training
 from dsv4rl.launcher.supervisor import Supervisor
+from free_ports import free_port, free_ports
 
 PIDS = r"""
 import os, subprocess, sys
@@ -88,12 +89,6 @@ if mode == "hang":
     time.sleep(120)
 """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_spec(run_dir: Path, port: int, mode: str = "ok", name: str = "engine-0") -> ProcessSpec:
@@ -292,8 +287,7 @@ def _cfg(run_dir: Path) -> Config:
     cfg = Config()
     cfg.run.dir = str(run_dir)
     cfg.train.steps = 2
-    cfg.engine.port = free_port()
-    cfg.cluster.master_port, cfg.cluster.weight_sync_port = free_port(), free_port()
+    cfg.engine.port, cfg.cluster.master_port, cfg.cluster.weight_sync_port = free_ports(3)
     return cfg
 
 
@@ -388,7 +382,7 @@ SUPERVISOR = """
 import sys
 from pathlib import Path
 from rich.console import Console
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = [sys.argv[2], str(Path(sys.argv[2]).parent)]  # test_supervisor and the free_ports it imports
 import test_supervisor as t
 run_dir = Path(sys.argv[1])
 specs = [t.engine_spec(run_dir, int(sys.argv[3])), t.trainer_spec(run_dir, steps=1, mode="hang")]

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from dsv4rl.config.choices import ProcessRole
 from dsv4rl.faults.inject import HANG_ENV, KILL_ENV
 from dsv4rl.launcher.plan import ProcessSpec
 from dsv4rl.launcher.supervisor import Supervisor
+from free_ports import free_port
 
 ENGINE = r"""
 import http.server, os, sys, threading, urllib.parse
@@ -131,12 +131,6 @@ with child_process("trainer", rank=int(os.environ["RANK"])):
 def line_of(source: str, text: str) -> int:
     """The line of `text` in a `python -c` script, as its traceback numbers it."""
     return next(number for number, line in enumerate(source.splitlines(), 1) if text in line)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spec(run_dir: Path, name: str, role: str, argv: list[str], **env: str) -> ProcessSpec:

@@ -14,7 +14,6 @@ from test_supervisor import (
     assert_all_gone,
     capture,
     engine_spec,
-    free_port,
     in_watch_loop,
     remote_engine,
     supervisor,
@@ -25,6 +24,7 @@ from test_supervisor import (
 
 from dsv4rl.launcher.marker import DoneMarker, read_status
 from dsv4rl.launcher.node_liveness import Heartbeat, NodeLiveness, heartbeat_path, read_heartbeat
+from free_ports import free_port
 
 
 @contextlib.contextmanager

@@ -17,7 +17,6 @@ from test_supervisor import (
     assert_all_gone,
     capture,
     engine_spec,
-    free_port,
     in_watch_loop,
     rollout_node,
     wait_for,
@@ -28,6 +27,7 @@ from dsv4rl.faults.stop import STOPPED_EXIT, read_stop_request
 from dsv4rl.launcher.marker import DoneMarker, write_marker
 from dsv4rl.launcher.plan import ProcessSpec
 from dsv4rl.launcher.supervisor import Supervisor
+from free_ports import free_port
 
 TRAINER = (
     PIDS

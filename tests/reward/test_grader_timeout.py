@@ -208,18 +208,21 @@ def test_math_verify_reads_the_tail_of_a_response() -> None:
 
 def _loop_with(texts: list[str], answer: str = "7") -> RLLoop:
     """An RLLoop with only what collect_batch reads: one group of `texts`, which the fake engines
-    (`driver.clients`, handed to the patched generate_samples) return, scored by a grader that raises."""
+    (`driver.live_clients()`, handed to the patched generate_samples) return, scored by a grader that
+    raises."""
     cfg = compose("tiny_arith", [f"algo.group_size={len(texts)}", "run.save_rollouts=0"])
     cfg.algo.dynamic_sampling.enabled = False
     loop = RLLoop.__new__(RLLoop)
     loop.cfg = cfg
     loop.backend = SimpleNamespace(data_parallel_size=1)
     spec = FnSpec("raising", "builtin:raising", 1.0, RewardOnError.zero, 5.0)
+    samples = [Sample(0, [1, 2], [3], [-0.5], text, "stop", answer=answer) for text in texts]
     loop.driver = SimpleNamespace(
         stream=SimpleNamespace(next_batch=lambda: [Problem("1+6=", answer, "a")]),
         rewards=RewardSet([BuiltinScorer(spec, RaisingRule())], None, cfg.reward.max_error_fraction),
         tokenizer=SimpleNamespace(pad_token_id=0),
-        clients=[Sample(0, [1, 2], [3], [-0.5], text, "stop", answer=answer) for text in texts],
+        live_clients=lambda: samples,  # every engine answers: no roster, nothing rerouted
+        roster=None,
         event_loop=asyncio.new_event_loop(),
         renderer=None,  # data.chat_format=none: prompts as they are, responses graded whole
         parser=None,

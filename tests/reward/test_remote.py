@@ -5,7 +5,6 @@ connection refused, malformed JSON, wrong length, a 4xx)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -21,14 +20,9 @@ from dsv4rl.reward.inputs import RewardInput
 from dsv4rl.reward.remote import RemoteScorer
 from dsv4rl.reward.results import CallFailed, FnSpec, RewardError
 from dsv4rl.reward.rewarder import RewardSet
+from free_ports import free_port
 
 SERVER = Path(__file__).resolve().parents[2] / "examples" / "reward_server.py"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

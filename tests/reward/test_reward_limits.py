@@ -189,7 +189,8 @@ def _loop_with(cfg: RewardConfig) -> RLLoop:
         stream=SimpleNamespace(next_batch=lambda: [Problem(f"{i}+7=", "7", f"p{i}") for i in range(GROUPS)]),
         rewards=RewardSet.from_config(cfg, [HERE]),
         tokenizer=SimpleNamespace(pad_token_id=0),
-        clients=None,
+        live_clients=lambda: None,  # the patched generation takes no engines
+        roster=None,
         event_loop=asyncio.new_event_loop(),
         renderer=None,
         parser=None,

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sync_helpers import ENGINE_SEED, ENGINE_TIMEOUT_S, free_port
+from sync_helpers import ENGINE_SEED, ENGINE_TIMEOUT_S
 
 from dsv4rl.config.choices import QuantMode
 from dsv4rl.config.model_schema import ModelConfig
 from dsv4rl.config.schema import QuantConfig
 from dsv4rl.model.model_dir import materialize_model
+from free_ports import free_port
 
 ENGINES = 2
 

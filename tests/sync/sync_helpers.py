@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +17,6 @@ HERE = Path(__file__).parent
 ENGINE_SEED = 11  # the engine starts from this model ...
 TRAINER_SEED = 22  # ... and the trainer holds this one
 ENGINE_TIMEOUT_S = 30  # the engine's group timeout: a wrong implementation fails instead of hanging
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_python(script: str, *args: str, timeout: float = 60, env: dict | None = None) -> subprocess.Popen:

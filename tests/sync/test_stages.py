@@ -12,13 +12,14 @@ import httpx
 import pytest
 import torch
 import torch.distributed as dist
-from sync_helpers import HERE, TRAINER_SEED, free_port, trainer_model, wire_tensors
+from sync_helpers import HERE, TRAINER_SEED, trainer_model, wire_tensors
 from test_weight_sync import assert_engine_holds, engine_checksums, version_of
 
 from dsv4rl.sync.stages import StagedWeightSync, StoreLock, merge_stats
 from dsv4rl.sync.weight_sync import SyncStats, WeightSyncError
 from dsv4rl.topology import SyncSource
 from dsv4rl.wire.checksum import checksums
+from free_ports import free_port
 
 
 def run_stages(out, urls: list[str], *flags: str) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from sync_helpers import TRAINER_SEED, free_port, trainer_model
+from sync_helpers import TRAINER_SEED, trainer_model
 
 from dsv4rl.config.choices import QuantMode, RolloutEngineKind
 from dsv4rl.config.schema import QuantConfig, SyncConfig, SyncVerifyConfig
@@ -27,6 +27,7 @@ from dsv4rl.sync.verify import (
     probe_sequences,
 )
 from dsv4rl.sync.weight_sync import WeightSync
+from free_ports import free_port
 
 TARGET = "head.weight"
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from sync_helpers import ENGINE_SEED, TRAINER_SEED, free_port, run_python, trainer_model, wire_tensors
+from sync_helpers import ENGINE_SEED, TRAINER_SEED, run_python, trainer_model, wire_tensors
 
 from dsv4rl.engine.weight_receiver import WeightReceiver
 from dsv4rl.engine.weight_store import DeepseekWeights
@@ -21,6 +21,7 @@ from dsv4rl.model.naming import native_slot, slot_view
 from dsv4rl.model.native_checkpoint import dequantized_native_state
 from dsv4rl.model.tokenizer import build_char_tokenizer
 from dsv4rl.wire.layout import bucket_metadata, sort_for_flattening
+from free_ports import free_port
 
 VOCAB = len(build_char_tokenizer())  # the tiny model's vocabulary: its embedding rows, tid2eid's rows
 

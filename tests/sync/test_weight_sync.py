@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 import torch
-from sync_helpers import TRAINER_SEED, free_port, quantized_copy, trainer_model, wire_tensors
+from sync_helpers import TRAINER_SEED, quantized_copy, trainer_model, wire_tensors
 
 from dsv4rl.config.choices import QuantMode, RolloutEngineKind
 from dsv4rl.config.schema import QuantConfig, SyncConfig
@@ -26,6 +26,7 @@ from dsv4rl.model.tokenizer import build_char_tokenizer
 from dsv4rl.sync.served_format import check_served_formats
 from dsv4rl.sync.weight_sync import SyncStats, WeightSync, WeightSyncError
 from dsv4rl.wire.checksum import checksums
+from free_ports import free_port
 
 TOKENS = [0, 5, 9, 13, 4, 16, 7, 7, 15, 3, 11, 19, 6, 18, 2, 9, 1, 14, 8, 17, 10, 12, 5, 17]
 

@@ -5,7 +5,6 @@ service's failures (retried or not), the concurrency bound, and the probe that r
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 from sandbox_fusion_service import ServiceState, serve
@@ -18,6 +17,7 @@ from dsv4rl.tools.remote_sandbox import (
     probe_service,
     read_response,
 )
+from free_ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +54,6 @@ def run(remote: SandboxFusionClient, *codes: str, run_timeout_s: float = 5.0, me
 
     results = asyncio.run(go())
     return results[0] if len(codes) == 1 else results
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_stdout_then_stderr_and_the_exit_code(url: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from dsv4rl.wire.process_group import format_init_method, init_custom_process_group
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from free_ports import free_port
 
 
 def run_worker(*args: str) -> subprocess.Popen:

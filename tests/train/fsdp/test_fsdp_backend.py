@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +15,10 @@ from fsdp_scenarios import check_nonfinite
 from transformers import DeepseekV4ForCausalLM
 
 from dsv4rl.model.tokenizer import build_char_tokenizer
+from free_ports import free_port
 
 SCRIPT = Path(__file__).with_name("fsdp_scenarios.py")
 TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(world: int, out: Path, *extra: str) -> subprocess.Popen:
