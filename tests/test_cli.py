@@ -13,6 +13,7 @@ import dsv4rl.launcher.run
 from dataset_files import DATA, needs_data
 from dsv4rl.cli import app
 from dsv4rl.config.schema import Config
+from dsv4rl.launcher.plan_view import restarts_text
 
 runner = CliRunner()
 
@@ -120,6 +121,17 @@ def test_plan_says_whether_a_failed_engine_is_restarted() -> None:
     for args, line in cases.items():
         result = runner.invoke(app, ["plan", *args])
         assert result.exit_code == 0 and line in " ".join(result.output.split()), result.output
+    assert "a hung one is found by its heartbeats" in runner.invoke(app, ["plan", *two]).output
+    emulate = "engine.extra_args=[--emulate-non-idempotent-postprocess]"
+    for args, restarted in (((*two, emulate), True), ((*two, emulate, "engine.max_restarts=0"), False)):
+        text = " ".join(runner.invoke(app, ["plan", *args]).output.split())
+        assert "a failed weight push spends the engines" in text and "exit 76" in text
+        assert ("the trainer asks for them to be restarted and pushes again" in text) is restarted
+    sglang = {**plan_json(*two)["engine"], "hang_detection": "health_generate"}  # as an SGLang plan says
+    assert restarts_text(sglang).endswith(
+        "hung: two /health_generate probes in a row unanswered within engine.health_timeout_s=10 s while "
+        "requests are open"
+    )
 
 
 def _flag(argv: list[str], name: str) -> str:

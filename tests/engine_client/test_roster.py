@@ -4,13 +4,17 @@ few answer for the run to go on. Dead engines are clients whose connection is re
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 import pytest
 
 from dsv4rl.config.compose import compose
+from dsv4rl.engine_client import roster as roster_module
 from dsv4rl.engine_client.client import EngineClient, EngineError
 from dsv4rl.engine_client.roster import EngineRoster, EnginesLost, restart_budget
+from dsv4rl.faults import restart_requests
 
 
 def refused(request: httpx.Request) -> httpx.Response:
@@ -52,6 +56,33 @@ def test_a_dead_engine_is_lost_and_its_call_goes_to_the_least_busy_live_one(engi
     assert roster.down == {1} and roster.resent == 1
     assert roster.live() == [engines[0].client, engines[2].client]
     assert roster.metrics() == {"engine/restarts": 0, "engine/alive": 2, "rollout/resent": 1}
+
+
+def test_calls_that_fail_together_share_one_health_probe_and_one_warning(engines, caplog) -> None:
+    """A dead engine fails all its calls at once (every trajectory's turn): one probe, one warning,
+    and each call is sent to a live engine."""
+    roster = EngineRoster([e.client for e in engines], min_alive=1, health_timeout_s=1.0)
+    engines[1].alive = False
+    probes = []
+    health = engines[1].client.health
+
+    async def counted(timeout_s: float) -> bool:
+        probes.append(timeout_s)
+        await asyncio.sleep(0.05)  # the others fail meanwhile
+        return await health(timeout_s)
+
+    engines[1].client.health = counted
+
+    async def five_calls() -> list:
+        return await asyncio.gather(
+            *(roster.reroute(engines[1].client, lost_error(engines[1])) for _ in range(5))
+        )
+
+    with caplog.at_level("WARNING", logger="dsv4rl.rollout"):
+        instead = asyncio.run(five_calls())
+    assert len(probes) == 1 and roster.resent == 5
+    assert all(client in (engines[0].client, engines[2].client) for client in instead)
+    assert sum("is lost" in record.getMessage() for record in caplog.records) == 1
 
 
 def test_a_failure_that_is_not_the_engines_is_not_rerouted(engines) -> None:
@@ -104,3 +135,58 @@ def test_colocated_engines_are_never_restarted() -> None:
     assert restart_budget(compose("tiny_arith")) == 3
     assert restart_budget(compose("tiny_arith", ["engine.max_restarts=0"])) == 0
     assert restart_budget(compose("tiny_arith", ["parallel.colocate=true"])) == 0
+
+
+class FakeSupervisor(threading.Thread):
+    """Answers the trainer's restart requests as a node supervisor does: kills the engine, answers, and
+    brings it back a moment later (or refuses with `refuse`)."""
+
+    def __init__(self, log_dir, engines: list[Engine], refuse: str | None = None) -> None:
+        super().__init__(daemon=True)
+        self.log_dir, self.engines, self.refuse = log_dir, engines, refuse
+        self.stop = threading.Event()
+        self.restarted: list[str] = []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for index, engine in enumerate(self.engines):
+                name = f"engine-{index}"
+                if restart_requests.pending_request(self.log_dir, name) is None:
+                    continue
+                if self.refuse:
+                    restart_requests.answer_request(self.log_dir, name, False, self.refuse)
+                    continue
+                engine.alive = False
+                restart_requests.answer_request(self.log_dir, name, True)
+                self.restarted.append(name)
+                threading.Timer(0.3, lambda engine=engine: setattr(engine, "alive", True)).start()
+            time.sleep(0.02)
+
+
+def test_spent_engines_are_restarted_on_request_and_form_the_new_group(engines, tmp_path) -> None:
+    """After a push that spent the group (engine 2 died in it): every member is asked for (a spent engine
+    answers no health probe either), restarted and waited for; the group is rebuilt with all of them."""
+    roster = EngineRoster([e.client for e in engines], min_alive=1, health_timeout_s=1.0)
+    engines[2].alive = False
+    supervisor = FakeSupervisor(tmp_path, engines)
+    supervisor.start()
+    try:
+        members = asyncio.run(roster.replace_spent(tmp_path, 5, "the push of step 5 failed", 10.0))
+    finally:
+        supervisor.stop.set()
+    assert members == [0, 1, 2] and supervisor.restarted == ["engine-0", "engine-1", "engine-2"]
+    assert roster.down == {0, 1, 2}  # until the regroup: `regrouped` lets them take requests again
+    assert roster.regrouped(members) == [0, 1, 2] and roster.live_indices() == [0, 1, 2]
+
+
+def test_a_refused_restart_or_no_answer_leaves_the_failure_standing(engines, tmp_path, monkeypatch) -> None:
+    roster = EngineRoster([e.client for e in engines], min_alive=1, health_timeout_s=1.0)
+    supervisor = FakeSupervisor(tmp_path, engines, refuse="engine.max_restarts=0")
+    supervisor.start()
+    try:
+        assert asyncio.run(roster.replace_spent(tmp_path, 5, "why", 10.0)) is None
+    finally:
+        supervisor.stop.set()
+    monkeypatch.setattr(roster_module, "ANSWER_WAIT_S", 0.2)  # no supervisor reads the run dir
+    silent = EngineRoster([e.client for e in engines], min_alive=1, health_timeout_s=1.0)
+    assert asyncio.run(silent.replace_spent(tmp_path / "elsewhere", 5, "why", 10.0)) is None

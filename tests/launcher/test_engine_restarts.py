@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.console import Console
 
 from dsv4rl.config.choices import ProcessRole
+from dsv4rl.faults import restart_requests
 from dsv4rl.launcher.engine_restarts import EngineRestarts
 from dsv4rl.launcher.plan import ProcessSpec
 from dsv4rl.launcher.supervisor import Supervisor
@@ -174,3 +175,93 @@ def test_an_engine_that_fails_again_at_start_is_a_restart_loop_not_retried(tmp_p
         "engine-1 failed again before it answered /health_generate after its restart: a restart loop" in out
     )
     assert sup.restarts.counts == {"engine-1": 1}
+
+
+def run_with_restart_requests(tmp_path: Path, engines: int, max_restarts: int) -> tuple[int, str, Supervisor]:
+    """The trainer (here: the test) asks for every engine to be restarted, as after a push that left them
+    spent, and waits for each answer before it finishes."""
+    out = io.StringIO()
+    console = Console(file=out, width=250, force_terminal=False, color_system=None)
+    specs = [engine_spec(tmp_path, f"engine-{i}") for i in range(engines)] + [trainer_spec(tmp_path)]
+    sup = Supervisor(specs, tmp_path, console=console, grace_s=3.0, poll_s=0.05, startup_timeout_s=20.0,
+                     max_restarts=max_restarts, engines=engines, min_alive=1)  # fmt: skip
+    logs = tmp_path / "logs"
+    names = [f"engine-{i}" for i in range(engines)]
+
+    def ask() -> None:
+        try:
+            wait_until(lambda: all(starts(tmp_path, name) for name in names))
+            for name in names:
+                restart_requests.request_restart(logs, name, 5, "the push of step 5 failed half way")
+            wait_until(lambda: all(restart_requests.read_answer(logs, name) for name in names))
+            restarted = [name for name in names if restart_requests.read_answer(logs, name)["restarted"]]
+            wait_until(lambda: all(len(starts(tmp_path, name)) == 2 for name in restarted))  # they run
+        finally:
+            (tmp_path / "go").touch()
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    code = sup.run()
+    asker.join()
+    return code, out.getvalue(), sup
+
+
+def test_engines_the_trainer_asks_to_restart_are_restarted_and_the_answers_say_so(tmp_path) -> None:
+    """Both engines at once, and the run's only engine: the trainer waits for them, so the engines still
+    answering do not count against engine.min_alive."""
+    for engines in (2, 1):
+        run_dir = tmp_path / f"engines{engines}"
+        run_dir.mkdir()
+        code, out, sup = run_with_restart_requests(run_dir, engines, max_restarts=3)
+        assert code == 0, out
+        for i in range(engines):
+            assert (
+                f"! the trainer asks for engine-{i} to be restarted (the push of step 5 failed half way): "
+                f"killing it to restart it" in out
+            )
+            assert restart_requests.read_answer(run_dir / "logs", f"engine-{i}") == {
+                "restarted": True,
+                "why": "",
+            }
+            assert len(starts(run_dir, f"engine-{i}")) == 2
+        assert "the trainer waits for it" in out
+        assert sup.restarts.counts == {f"engine-{i}": 1 for i in range(engines)}
+
+
+def test_a_restart_the_budget_refuses_is_answered_with_the_reason(tmp_path) -> None:
+    code, out, _ = run_with_restart_requests(tmp_path, engines=2, max_restarts=0)
+    assert code == 0, out
+    answer = restart_requests.read_answer(tmp_path / "logs", "engine-0")
+    assert answer == {"restarted": False, "why": "engine.max_restarts=0: an engine failure stops the run"}
+    assert "✗ engine-0 is not restarted as the trainer asked: engine.max_restarts=0" in out
+    assert len(starts(tmp_path, "engine-0")) == 1
+
+
+def test_an_engine_that_died_in_the_push_is_answered_as_restarted(tmp_path) -> None:
+    """The trainer cannot tell a spent engine from one that died in the push (neither answers its health
+    probe), so it asks for both: the dead one is restarted once and answered so, whichever the supervisor
+    saw first, the request or the exit."""
+    out = io.StringIO()
+    console = Console(file=out, width=250, force_terminal=False, color_system=None)
+    specs = [engine_spec(tmp_path, f"engine-{i}") for i in range(2)] + [trainer_spec(tmp_path)]
+    sup = Supervisor(specs, tmp_path, console=console, grace_s=3.0, poll_s=0.05, startup_timeout_s=20.0,
+                     max_restarts=3, engines=2, min_alive=1)  # fmt: skip
+    logs = tmp_path / "logs"
+
+    def died_and_asked() -> None:
+        try:
+            wait_until(lambda: "engines healthy" in out.getvalue())  # under way: not a failed start
+            restart_requests.request_restart(logs, "engine-1", 5, "the push of step 5 failed")
+            os.kill(starts(tmp_path, "engine-1")[0][0], signal.SIGKILL)
+            wait_until(lambda: restart_requests.read_answer(logs, "engine-1") is not None)
+            wait_until(lambda: len(starts(tmp_path, "engine-1")) == 2)
+        finally:
+            (tmp_path / "go").touch()
+
+    asker = threading.Thread(target=died_and_asked)
+    asker.start()
+    code = sup.run()
+    asker.join()
+    assert code == 0, out.getvalue()
+    assert restart_requests.read_answer(logs, "engine-1")["restarted"] is True
+    assert sup.restarts.counts == {"engine-1": 1} and len(starts(tmp_path, "engine-1")) == 2

@@ -89,6 +89,17 @@ def test_a_busy_engine_is_named_when_the_trainer_waits_on_the_engines():
     assert hang.why == "busy in generate for 10.8 s while trainer-rank0 waits on it in rollout at step 1"
 
 
+def test_the_checks_after_a_push_and_the_wait_for_a_background_rollout_wait_on_the_engines():
+    """A log-prob probe (phase verify) or a background rollout (wait_rollout) that an engine never
+    answers is the engine's hang, not the trainer's (which the supervisor could not restart)."""
+    busy = [beat("engine-1", "generate", None, age=10.8, busy=True)]
+    for phase, others in (("verify", "verify"), ("wait_rollout", "wait_batch"), ("wait_rollout", "sync")):
+        trainer = [beat("trainer-rank0", phase, 4, age=11.0), beat("trainer-rank1", others, 4, age=11.2)]
+        hang = find_hang(trainer, busy, timeout_s=10, now=NOW)
+        assert hang.culprit.process == "engine-1", (phase, others)
+        assert hang.stalled.process == "trainer-rank0"
+
+
 def test_ranks_stuck_together_name_rank_0():
     trainer = [beat("trainer-rank1", "train", 4, age=13.0), beat("trainer-rank0", "train", 4, age=12.0)]
     busy = [beat("engine-0", "generate", None, 20.0, busy=True)]  # not waited on in train

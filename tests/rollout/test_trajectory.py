@@ -422,6 +422,41 @@ def test_states_closed_once_when_the_engine_raises():
     tool.assert_closed_once(4)
 
 
+def test_a_trajectory_whose_engine_is_lost_runs_again_whole_on_a_live_one():
+    """Engine 0 fails the second turn of its trajectories: each is run again from its first turn, with a
+    fresh tool state, on the engine the reroute names. The samples are the ones two healthy engines give:
+    no trajectory keeps a turn of the lost engine."""
+    healthy = run(make_runner([LookupLike()]), [ScriptedEngine(), ScriptedEngine()], [PROBLEM, PROBLEM], 2)
+    tool = LookupLike()
+    broken, live = RaisingEngine(fail_at=1), ScriptedEngine()
+    rerouted = []
+
+    async def reroute(client, error):
+        rerouted.append(str(error))
+        return live if client is broken else None
+
+    runner = make_runner([tool])
+    samples = asyncio.run(
+        generate_trajectories([broken, live], [PROBLEM, PROBLEM], runner, 2, reroute=reroute)
+    )
+    assert rerouted == ["engine down", "engine down"]  # group 0's two trajectories, whose turns were batched
+    assert len(broken.calls) == 2 and len(live.calls) >= 2
+    assert [(s.group, s.response_ids, s.loss_mask, s.rollout_logprobs) for s in samples] == [
+        (s.group, s.response_ids, s.loss_mask, s.rollout_logprobs) for s in healthy
+    ]
+    tool.assert_closed_once(6)  # group 0's first states, closed when their engine failed, and the rest
+
+
+def test_a_trajectory_error_that_the_reroute_declines_is_raised():
+    async def declines(client, error):
+        return None
+
+    with pytest.raises(RuntimeError, match="engine down"):
+        asyncio.run(
+            generate_trajectories([RaisingEngine(fail_at=0)], [PROBLEM], make_runner(), 1, reroute=declines)
+        )
+
+
 def test_states_closed_once_when_one_engine_raises_and_another_hangs():
     tool = LookupLike()
     engines = [RaisingEngine(fail_at=0), HangingEngine(answer_first=False)]

@@ -455,7 +455,8 @@ class EngineConfig:
     # Fewer engines answering than this stops the run (the trainer counts every node's).
     min_alive: int = 1
     # How long a failed engine call may wait for the engine's /health_generate before the engine counts as
-    # lost (and its requests are sent to the others).
+    # lost (and its requests are sent to the others); also how often, and how long, the supervisor probes
+    # SGLang engines while requests are open: two probes in a row unanswered make one hung (docs/faults.md).
     health_timeout_s: float = 10.0
     # SGLang engines' `--dtype` (their activations and unquantized weights). The reference engine computes in
     # float32 on the dequantized weights whatever this says.

@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from dsv4rl.config.schema import Config
 from dsv4rl.engine_client.client import EngineClient, EngineError
+from dsv4rl.faults import heartbeat
+from dsv4rl.faults.restart_requests import read_answer, request_restart
 
 __all__ = ["EngineRoster", "EnginesLost", "restart_budget"]
 
 log = logging.getLogger("dsv4rl.rollout")
 RETURN_PROBE_S = 5.0  # how long a lost engine may take to answer, at a sync, to count as back
+ANSWER_WAIT_S = 60.0  # how long the supervisors may take to answer a restart request (they poll each second)
 
 
 class EnginesLost(RuntimeError):
@@ -46,7 +51,9 @@ class EngineRoster:
         self.down: set[int] = set()  # lost, not yet rejoined
         self.members = list(range(len(self.clients)))  # the engines in the weight-update group
         self.restarts = 0  # engines that came back and rejoined
-        self.resent = 0  # /generate calls sent again to another engine
+        self.resent = 0  # /generate calls (or trajectories) sent again to another engine
+        self._probes: dict[int, asyncio.Future[bool]] = {}  # health probes in flight, by engine
+        self.names = [f"engine-{index}" for index in range(len(self.clients))]  # the plan's, by global index
 
     @classmethod
     def from_config(cls, cfg: Config, clients: Sequence[EngineClient]) -> EngineRoster:
@@ -69,9 +76,9 @@ class EngineRoster:
         if not isinstance(error, EngineError) or client not in self.clients:
             return None
         index = self.clients.index(client)
-        if index not in self.down:
-            if await client.health(self.health_timeout_s):
-                return None  # it answers: the failure is the request's, not the engine's
+        if index not in self.down and await self._answers(index):
+            return None  # it answers: the failure is the request's, not the engine's
+        if index not in self.down:  # the first of the calls that failed together says so
             self.down.add(index)
             log.warning(
                 "engine %s is lost (%s; no answer to /health_generate within engine.health_timeout_s=%g s): "
@@ -85,6 +92,16 @@ class EngineRoster:
             raise EnginesLost(self._too_few(len(live)))
         self.resent += 1
         return min(live, key=lambda c: c.in_flight)
+
+    async def _answers(self, index: int) -> bool:
+        """One /health_generate probe of engine `index`, shared by every call that failed on it meanwhile
+        (a dead engine fails all its calls at once: one probe, one warning)."""
+        probe = self._probes.get(index)
+        if probe is None:
+            probe = asyncio.ensure_future(self.clients[index].health(self.health_timeout_s))
+            self._probes[index] = probe
+            probe.add_done_callback(lambda _: self._probes.pop(index, None))
+        return await asyncio.shield(probe)
 
     def _too_few(self, alive: int) -> str:
         lost = ", ".join(self.clients[i].base_url for i in sorted(self.down))
@@ -117,6 +134,51 @@ class EngineRoster:
             log.warning("engine %s does not answer /health_generate: lost", self.clients[index].base_url)
         self.down |= set(lost)
         return lost
+
+    async def replace_spent(
+        self, log_dir: Path | str, step: int, reason: str, startup_timeout_s: float
+    ) -> list[int] | None:
+        """After a push that left the group's engines spent (post-processing not repeatable): ask their
+        supervisors to restart every member (`dsv4rl.faults.restart_requests`: a spent engine answers no
+        /health_generate, so it cannot be told from one that died in the push, which its supervisor is
+        restarting already and says so), wait for the answers and for the engines to answer
+        /health_generate again. Returns the engines the new group holds, or None when a restart was
+        refused or an engine did not come back within `startup_timeout_s` (the push's failure stands)."""
+        spent = list(self.members)
+        for index in spent:
+            request_restart(log_dir, self.names[index], step, reason)
+        self.down |= set(spent)
+        log.warning("asked for engines %s to be restarted: %s", [self.names[i] for i in spent], reason)
+        deadline = time.monotonic() + ANSWER_WAIT_S
+        waiting = list(spent)
+        while waiting:
+            answers = {index: read_answer(log_dir, self.names[index]) for index in waiting}
+            refused = [(i, a) for i, a in answers.items() if a is not None and not a.get("restarted")]
+            if refused:
+                index, answer = refused[0]
+                log.error("%s is not restarted: %s", self.names[index], answer.get("why", "no reason given"))
+                return None
+            waiting = [index for index, answer in answers.items() if answer is None]
+            if waiting and time.monotonic() > deadline:
+                log.error(
+                    "no supervisor answered the request to restart %s within %g s (every node must share "
+                    "the run dir)", [self.names[i] for i in waiting], ANSWER_WAIT_S,
+                )  # fmt: skip
+                return None
+            heartbeat.progress()  # waiting on the supervisors is this sync's progress
+            await asyncio.sleep(0.2)
+        deadline = time.monotonic() + startup_timeout_s
+        loading = list(spent)
+        while loading:
+            back = await asyncio.gather(*(self.clients[i].health(RETURN_PROBE_S) for i in loading))
+            loading = [index for index, ok in zip(loading, back, strict=True) if not ok]
+            if loading and time.monotonic() > deadline:
+                names = [self.names[i] for i in loading]
+                log.error("%s did not answer within engine.startup_timeout_s=%g s", names, startup_timeout_s)
+                return None
+            heartbeat.progress()
+            await asyncio.sleep(0.5 if loading else 0)
+        return await self.members_for_sync()
 
     def live_indices(self) -> list[int]:
         return [index for index in range(len(self.clients)) if index not in self.down]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv4rl.config.choices import ProcessRole
+from dsv4rl.faults import restart_requests
 from dsv4rl.faults.files import (
     CRASH,
     HEARTBEAT,
@@ -32,7 +33,7 @@ from dsv4rl.faults.files import (
 from dsv4rl.faults.heartbeat import Beat, read_beat
 from dsv4rl.faults.notices import NoticeReader
 from dsv4rl.faults.stacks import request_dump
-from dsv4rl.launcher.plan import ProcessSpec
+from dsv4rl.launcher.plan import TRAINER_PROCESS, ProcessSpec
 from dsv4rl.launcher.root_cause import RootCause, find_root_cause
 from dsv4rl.launcher.watchdog import rank_of, where
 
@@ -67,6 +68,8 @@ class ChildFaults:
                 for path in files_of(self.log_dir(spec), kind, spec.name):
                     with contextlib.suppress(FileNotFoundError):
                         path.unlink()
+            if spec.role == ProcessRole.engine:
+                restart_requests.clear(self.log_dir(spec), spec.name)
 
     def heartbeats(self, alive: set[int]) -> list[SeenBeat]:
         """Every heartbeat of this run: this node's from live processes (pids in `alive`), other nodes'."""
@@ -81,6 +84,15 @@ class ChildFaults:
                 if beat is None or (beat.host == host and beat.pid not in alive):  # gone, or not ours
                     continue
                 found.append(SeenBeat(beat, role, log_dir, local=beat.host == host))
+        return found
+
+    def trainer_beats(self) -> list[Beat]:
+        """The training ranks' heartbeats in this node's log dirs, wherever they run: on a node that only
+        serves rollouts, the trainer's node writes them into the shared run dir (none without one)."""
+        found = []
+        for log_dir in dict.fromkeys(self.log_dir(spec) for spec in self.specs):
+            beats = (read_beat(path) for path in files_of(log_dir, HEARTBEAT, TRAINER_PROCESS))
+            found += [beat for beat in beats if beat is not None]
         return found
 
     def dump_stacks(self, seen: Sequence[SeenBeat], reason: str, wait_s: float = 3.0) -> dict[Path, bool]:

@@ -34,8 +34,10 @@ class EngineRestarts:
     counts: dict[str, int] = field(default_factory=dict)
     starting: dict[str, str] = field(default_factory=dict)  # restarted, not yet healthy: name -> health URL
 
-    def refusal(self, name: str) -> str | None:
-        """Why engine `name` is not restarted (None: restart it)."""
+    def refusal(self, name: str, requested: bool = False) -> str | None:
+        """Why engine `name` is not restarted (None: restart it). `requested`: the trainer asked for it
+        (`dsv4rl.faults.restart_requests`) and waits for it, so the engines answering meanwhile do not
+        count against `min_alive`."""
         if self.max_restarts <= 0:
             return "engine.max_restarts=0: an engine failure stops the run"
         if name in self.starting:
@@ -44,7 +46,7 @@ class EngineRestarts:
                 "(a bad node, a port another process took, weights that no longer load), not retried"
             )
         answering = self.engines - len(self.starting) - 1
-        if answering < self.min_alive:
+        if answering < self.min_alive and not requested:
             return (
                 f"without {name}, {answering} engine(s) of the run's {self.engines} answer, fewer than "
                 f"engine.min_alive={self.min_alive}"

@@ -46,6 +46,7 @@ from dsv4rl.topology import url_host as _url_host
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"  # one node; several: config-node<r>.yaml (see config_path)
 WEIGHT_SYNC_TIMEOUT_ENV = "DSV4RL_WEIGHT_SYNC_TIMEOUT_S"  # read by the reference engine and sglang_site
+TRAINER_PROCESS = "trainer"  # the training ranks' process name (their heartbeats: trainer-rank<r>)
 SGLANG_SITE = Path(__file__).resolve().parents[1] / "engine" / "sglang_site"
 
 
@@ -352,7 +353,7 @@ def build_local_plan(
             meta["gpus"] = f"0..{nproc - 1}"  # torchrun's local ranks, on the node's first GPUs
         specs.append(
             ProcessSpec(
-                name="trainer",
+                name=TRAINER_PROCESS,
                 argv=trainer_argv(cfg, run_dir, task),
                 env=trainer_env,
                 log_path=logs / trainer_log_name(cfg),

@@ -161,6 +161,9 @@ def cluster_plan(cfg: Config, nodes: Iterable[int], warnings: list[str] | None =
             # a dead or hung engine restarted while the run goes on (0: it stops the run; colocated: 0)
             "max_restarts": restart_budget(cfg),
             "min_alive": cfg.engine.min_alive,
+            "health_timeout_s": cfg.engine.health_timeout_s,
+            # how a hung engine is found: its heartbeats (reference), or /health_generate probes (SGLang)
+            "hang_detection": "health_generate" if sglang else "heartbeat",
             "engines": len(topology(cfg).engines),
             "colocated": cfg.parallel.colocate,
             "emulate_non_idempotent_postprocess": sglang_moe.emulates_non_idempotent(cfg),
@@ -353,15 +356,21 @@ def _layout_text(layout: dict[str, Any]) -> str:
     )
 
 
-def _restarts_text(engine: dict) -> str:
+def restarts_text(engine: dict) -> str:
     if engine["max_restarts"] == 0:
         why = " (colocated engines share the trainer's GPUs)" if engine["colocated"] else ""
         return f"engine restarts: off{why}; an engine failure stops the run"
     if engine["engines"] < 2:
         return "engine restarts: none with one engine (engine.min_alive=1); an engine failure stops the run"
+    hung = (
+        "a hung one is found by its heartbeats"
+        if engine["hang_detection"] == "heartbeat"
+        else f"hung: two /health_generate probes in a row unanswered within engine.health_timeout_s="
+        f"{engine['health_timeout_s']:g} s while requests are open"
+    )
     return (
         f"engine restarts: a dead or hung engine is restarted, at most {engine['max_restarts']} times, while "
-        f"the others generate (engine.min_alive={engine['min_alive']}); it rejoins at the next sync"
+        f"the others generate (engine.min_alive={engine['min_alive']}); it rejoins at the next sync; {hung}"
     )
 
 
@@ -426,13 +435,18 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     console.print(f"sampling: {sampling}")
     if engine["moe"]:
         console.print(_moe_text(engine["dtype"], engine["moe"]), soft_wrap=True)
-    console.print(_restarts_text(engine), soft_wrap=True)
+    console.print(restarts_text(engine), soft_wrap=True)
     if engine["restart_on_failed_push"]:
+        requeue = (
+            f"exit {FAILED_PUSH_EXIT} and <run.dir>/FAILED_PUSH, then resume=auto starts new ones (the "
+            f"sbatch script requeues the job, at most cluster.max_requeues={engine['max_requeues']} times)"
+        )
+        restarts = "the trainer asks for them to be restarted and pushes again; where refused, " * (
+            engine["max_restarts"] > 0
+        )
         console.print(
-            f"a failed weight push stops the run: {engine['restart_on_failed_push']}; the engines must be "
-            f"restarted: exit {FAILED_PUSH_EXIT} and <run.dir>/FAILED_PUSH, then resume=auto starts new ones "
-            f"(the sbatch script requeues the job, at most cluster.max_requeues={engine['max_requeues']} "
-            "times)",
+            f"a failed weight push spends the engines: {engine['restart_on_failed_push']}; they must be "
+            f"restarted: {restarts}{requeue}",
             soft_wrap=True,
         )
     if engine["keys_file"]:

@@ -199,6 +199,7 @@ def _run_locked(
         max_restarts=restart_budget(cfg) if task == Task.train else 0,
         engines=len(topology(cfg).engines),
         min_alive=cfg.engine.min_alive,
+        health_timeout_s=cfg.engine.health_timeout_s,
     )
     code = supervisor.run()
     if task == Task.train and node == 0:

@@ -32,10 +32,12 @@ from rich.panel import Panel
 from rich.text import Text
 
 from dsv4rl.config.choices import ProcessRole
+from dsv4rl.faults import restart_requests
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT
 from dsv4rl.faults.proc_tree import become_subreaper, kill_group
 from dsv4rl.faults.stop import STOP_SIGNALS, STOPPED_EXIT
 from dsv4rl.launcher.child_faults import ChildFaults
+from dsv4rl.launcher.engine_probe import SilentEngineProbe, requests_open, silent_engines
 from dsv4rl.launcher.engine_restarts import EngineRestarts
 from dsv4rl.launcher.failure_narration import FailureNarration
 from dsv4rl.launcher.marker import FINISHED, DoneMarker
@@ -90,6 +92,7 @@ class Supervisor:
         max_restarts: int = 0,
         engines: int = 1,
         min_alive: int = 1,
+        health_timeout_s: float = 10.0,
     ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -130,6 +133,12 @@ class Supervisor:
             node_addrs=node_addrs,
         )
         self.restarts = EngineRestarts(max_restarts, engines, min_alive)
+        # engines that write no heartbeat (SGLang): probed while the trainer has requests open, so that a
+        # hung one is restarted rather than found by the step watchdog, which stops the run
+        probed = silent_engines(self.specs) if max_restarts > 0 else []
+        self.silent_probe = SilentEngineProbe(probed, health_timeout_s)
+        self._not_restarted: set[str] = set()  # found hung by the probe, refused a restart: said once
+        self._requested: set[str] = set()  # engines the trainer asked to restart, killed, not yet started
         # after a hung engine was killed to restart it, the trainer waits on it no longer: give it a fresh
         # step_timeout_s to resend that engine's requests before its phase counts as hung
         self._hang_grace_until = 0.0
@@ -257,6 +266,7 @@ class Supervisor:
             if running:
                 self._print(Text(f"stopping {', '.join(running)} ...", style="dim"))
             self.stop_protocol.stop_all()
+            self.silent_probe.close()
             atexit.unregister(self._atexit)
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
@@ -334,6 +344,8 @@ class Supervisor:
                 watching = time.time() >= self._hang_grace_until
                 if watching and self.narration.hung(table, self._kill_hung_engine):
                     return 1
+                self._probe_silent_engines()
+                self._serve_restart_requests()
                 for name in self.restarts.answered():
                     self._print(Text(f"{name} answers again: it rejoins at the trainer's next weight sync"))
             self._poll_metrics()
@@ -376,34 +388,82 @@ class Supervisor:
         """An engine of this node ended: start it again when `engine.max_restarts` allows (True)."""
         if child.spec.role != ProcessRole.engine or self.stop_protocol.stopped.read() is not None:
             return False
-        refusal = self.restarts.refusal(child.name)
+        requested = child.name in self._requested  # the trainer asked for it and waits for it
+        self._requested.discard(child.name)
+        log_dir = self.table.faults.log_dir(child.spec)
+        refusal = self.restarts.refusal(child.name, requested)
         if refusal is not None:
             if self.restarts.max_restarts > 0:
                 self._print(Text(f"✗ not restarted: {refusal}", style="bold red"), soft_wrap=True)
+            if requested:
+                restart_requests.answer_request(log_dir, child.name, False, refusal)
             return False
         count = self.restarts.restarted(child.name, child.spec.health_url)
+        meanwhile = "waits for it" if requested else "sends its requests to the other engines meanwhile"
         self._print(
             Text(
                 f"! {child.name} {describe_exit(code)}: restarting it with its command and ports (restart "
-                f"{count} of engine.max_restarts={self.restarts.max_restarts}); the trainer sends its "
-                "requests to the other engines meanwhile",
+                f"{count} of engine.max_restarts={self.restarts.max_restarts}); the trainer {meanwhile}",
                 style="bold yellow",
             ),
             soft_wrap=True,
         )
         self.table.restart(child)
+        if requested:
+            restart_requests.answer_request(log_dir, child.name, True)
         return True
+
+    def _serve_restart_requests(self) -> None:
+        """The trainer asked for engines of this node to be restarted (a failed push left their weights
+        unknown, `dsv4rl.faults.restart_requests`): kill each (its exit restarts it), or answer why not."""
+        for child in self.table.engines():
+            log_dir = self.table.faults.log_dir(child.spec)
+            request = restart_requests.pending_request(log_dir, child.name)
+            if request is None or child.name in self._requested:
+                continue
+            if child.name in self.restarts.starting:  # it died in the push: restarting already
+                restart_requests.answer_request(log_dir, child.name, True, "restarting already")
+                continue
+            refusal = self.restarts.refusal(child.name, requested=True)
+            if refusal is not None:
+                restart_requests.answer_request(log_dir, child.name, False, refusal)
+                text = f"✗ {child.name} is not restarted as the trainer asked: {refusal}"
+                self._print(Text(text, style="bold red"), soft_wrap=True)
+                continue
+            self._requested.add(child.name)
+            why = request.get("reason", "")
+            text = f"! the trainer asks for {child.name} to be restarted ({why}): killing it to restart it"
+            self._print(Text(text, style="bold yellow"), soft_wrap=True)
+            if child.proc.poll() is None:
+                kill_group(child.proc.pid)
 
     def _kill_hung_engine(self, hang: Hang) -> bool:
         """The watchdog found `hang`: when its culprit is an engine of this node that may be restarted,
         kill it (its exit restarts it, `_restart_engine`) and let the run go on (True)."""
-        name = hang.culprit.process
+        return self._kill_to_restart(hang.culprit.process, hang.headline(self.narration.step_timeout_s))
+
+    def _probe_silent_engines(self) -> None:
+        """Kill, to restart it, an engine without heartbeats that stopped answering its health probe while
+        the trainer had requests open (`dsv4rl.launcher.engine_probe`). One that may not be restarted is
+        named once and left to the step watchdog, which stops the run as before."""
+        if not self.silent_probe.targets:
+            return
+        trainers = self.table.faults.trainer_beats()
+        for name in self.silent_probe.observe(requests_open(trainers), skip=self.restarts.starting):
+            headline = f"hang: {self.silent_probe.describe(name)}"
+            if self._kill_to_restart(name, headline) or name in self._not_restarted:
+                continue
+            self._not_restarted.add(name)
+            why = self.restarts.refusal(name) or "it is not running"
+            self._print(Text(f"✗ {headline}; not restarted: {why}", style="bold red"), soft_wrap=True)
+
+    def _kill_to_restart(self, name: str, headline: str) -> bool:
         child = next((c for c in self.table.engines() if c.name == name and c.proc.poll() is None), None)
         if child is None or self.restarts.refusal(name) is not None:
             return False
-        headline = hang.headline(self.narration.step_timeout_s)
         self._print(Text(f"! {headline}: killing {name} to restart it", "bold yellow"), soft_wrap=True)
         kill_group(child.proc.pid)
+        # the trainer waits on that engine no longer: give it a fresh step_timeout_s to resend its requests
         self._hang_grace_until = time.time() + self.narration.step_timeout_s
         return True
 

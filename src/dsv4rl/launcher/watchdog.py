@@ -22,12 +22,17 @@ from dataclasses import dataclass
 
 from dsv4rl.faults.heartbeat import Beat
 
-# A step's phases in order; `wait_batch`: the ranks other than 0 wait for rank 0's batch.
+# A step's phases in order; `wait_batch`: the ranks other than 0 wait for rank 0's batch; `verify`: the
+# checks after a push (checksums, the log-prob probe on the engines).
 PHASE_ORDER = (
-    "start", "resume", "rollout", "reward", "offload", "wait_batch", "train", "sync", "eval", "checkpoint",
-    "shutdown",
+    "start", "resume", "rollout", "reward", "offload", "wait_batch", "train", "sync", "verify", "eval",
+    "checkpoint", "shutdown",
 )  # fmt: skip
-ENGINE_BOUND = frozenset({"rollout", "offload", "sync", "eval"})  # the trainer waits on the engines there
+# algo.async_rollout: rank 0 waits for the batch generating in the background, before its first step and
+# after each train phase; either way it is where rank 0 stands while it has no batch to hand over
+SAME_PLACE = {"wait_rollout": "rollout"}
+# the trainer waits on the engines there
+ENGINE_BOUND = frozenset({"rollout", "wait_rollout", "offload", "sync", "verify", "eval"})
 UNJUDGED = frozenset({"start"})
 
 
@@ -65,7 +70,8 @@ def rank_of(process: str) -> int:
 
 def _position(beat: Beat) -> tuple[int, int]:
     """How far a rank got: (step, phase within the step); unknown phases count as the step's start."""
-    order = PHASE_ORDER.index(beat.phase) if beat.phase in PHASE_ORDER else 0
+    phase = SAME_PLACE.get(beat.phase, beat.phase)
+    order = PHASE_ORDER.index(phase) if phase in PHASE_ORDER else 0
     return (-1 if beat.step is None else beat.step, order)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ from dsv4rl.config.schema import RolloutConfig, SamplingConfig
 from dsv4rl.data.problems import Problem
 from dsv4rl.rollout.choices import ChoiceRequest
 from dsv4rl.rollout.env import EnvReset, ToolEnv, UserEnv
-from dsv4rl.rollout.generate import sample_seed, sampling_params
+from dsv4rl.rollout.generate import GroupHook, Reroute, sample_seed, sampling_params
 from dsv4rl.rollout.tool_failures import ENV_NAME, FailureLog, StepFailures
 from dsv4rl.rollout.turn_format import AssistantMessage, AssistantTurn, TurnFormat
 from dsv4rl.samples import Sample, Trajectory, TurnRecord
@@ -337,9 +337,6 @@ class TrajectoryRunner:
         trajectory.tool_time_s = counts.time_s
 
 
-GroupHook = Callable[[int, list[Sample]], None]
-
-
 def final_turn_text(tokenizer: Any, sample: Sample) -> str:
     """The text of a sample's last assistant turn (its whole response in a single turn): what carries
     the answer a reward or an eval grades."""
@@ -355,9 +352,15 @@ async def generate_trajectories(
     group_size: int,
     seed: int | None = None,
     on_group: GroupHook | None = None,
+    reroute: Reroute | None = None,
 ) -> list[Sample]:
     """`group_size` trajectories of every problem, prompt-major; each engine serves a contiguous chunk of
-    the prompts (as `generate_samples` does). `on_group` gets a prompt's samples once all are done."""
+    the prompts (as `generate_samples` does). `on_group` gets a prompt's samples once all are done.
+
+    `reroute` (as for `generate_samples`): a trajectory whose engine call failed is run again from its
+    first turn, with a fresh environment state and the same seed, on the engine `reroute` names; the
+    turns the lost engine made are dropped with it, so no trajectory is ever two engines' tokens. Its tool
+    calls were made and count as made."""
     asks = runner.choices.generate_kwargs()
     failures = runner.step_failures(len(problems) * group_size)
     batchers = [TurnBatcher(client, asks) for client in clients]
@@ -365,9 +368,25 @@ async def generate_trajectories(
     results: dict[int, list[Sample | None]] = {g: [None] * group_size for g in range(len(problems))}
     left = {g: group_size for g in range(len(problems))}
 
+    def batcher_of(client: EngineAPI) -> TurnBatcher:
+        found = next((batcher for batcher in batchers if batcher.client is client), None)
+        if found is None:
+            found = TurnBatcher(client, asks)
+            batchers.append(found)
+        return found
+
     async def one(group: int, index: int) -> None:
         sample_seed_ = None if seed is None else sample_seed(seed, group, index)
-        sample = await runner.run(batchers[group // chunk], problems[group], group, sample_seed_, failures)
+        batcher = batchers[group // chunk]
+        while True:
+            try:
+                sample = await runner.run(batcher, problems[group], group, sample_seed_, failures)
+                break
+            except Exception as error:
+                instead = await reroute(batcher.client, error) if reroute is not None else None
+                if instead is None:
+                    raise
+                batcher = batcher_of(instead)
         results[group][index] = sample
         left[group] -= 1
         if left[group] == 0 and on_group is not None:

@@ -161,6 +161,11 @@ class StagedWeightSync:
         opens and closes the sessions), or None."""
         return self.sender.spent if self.sender is not None else None
 
+    def engines_replaced(self) -> None:
+        """Rank 0: the spent engines were restarted (`WeightSync.engines_replaced`)."""
+        if self.sender is not None:
+            self.sender.engines_replaced()
+
     # ------------------------------------------------------------------------------------------ push
     def push(
         self, named_weights: Iterable[NamedTensor], version: str, *, record_checksums: bool = False

@@ -365,6 +365,12 @@ class WeightSync:
             except WeightSyncError as exc:
                 log.warning("after a failed push: %s", exc)
 
+    def engines_replaced(self) -> None:
+        """Every engine of a spent group was restarted: fresh processes that hold the model they loaded,
+        nothing half post-processed; the next `regroup` builds their group and a full push may follow."""
+        with self._lock:
+            self._spent = None
+
     def _spend(self) -> None:
         self._spent = RESTART.format(why=self.non_idempotent)
 

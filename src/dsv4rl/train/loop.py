@@ -385,7 +385,7 @@ class RLLoop:
                 failure = None
             except WeightSyncError as error:
                 failure = error
-            if attempt == 0 and self.regroup_engines(partial(self.members_after_failure, failure)):
+            if attempt == 0 and self.regroup_engines(partial(self.members_after_failure, failure, version)):
                 log.warning("pushing the weights of step %d again, to the engines that answer", version)
                 due = True
                 continue
@@ -402,16 +402,23 @@ class RLLoop:
         roster = self.driver.roster if self.driver is not None else None
         return self.driver.event_loop.run_until_complete(roster.members_for_sync()) if roster else None
 
-    def members_after_failure(self, failure: WeightSyncError | None) -> list[int] | None:
+    def members_after_failure(self, failure: WeightSyncError | None, version: int) -> list[int] | None:
         """Rank 0, after `failure` of a push: the group without the engines lost during it, when some were
-        and the others can take the push again (None: the failure stands)."""
+        and the others can take the push again; or, when the failure left the engines spent, the group of
+        the same engines restarted (None: the failure stands)."""
         roster = self.driver.roster if self.driver is not None else None
-        if failure is None or roster is None or self.weight_sync.spent:
+        if failure is None or roster is None:
             return None
-        lost = self.driver.event_loop.run_until_complete(roster.recheck())
-        if not lost:
-            return None
-        return self.driver.event_loop.run_until_complete(roster.members_for_sync())
+        run = self.driver.event_loop.run_until_complete
+        if self.weight_sync.spent:  # none of them may be pushed to again: fresh processes are
+            why = f"the push of step {version} left them spent: {str(failure).splitlines()[0]}"
+            timeout_s = self.cfg.engine.startup_timeout_s
+            members = run(roster.replace_spent(self.run_dir / "logs", version, why, timeout_s))
+            if members is not None:
+                self.weight_sync.engines_replaced()
+            return members
+        lost = run(roster.recheck())
+        return run(roster.members_for_sync()) if lost else None
 
     def regroup_engines(self, decide: Callable[[], list[int] | None]) -> bool:
         """Collective when engine restarts are on: rank 0 `decide`s which engines the weight-update group

@@ -74,7 +74,13 @@ async def generate_and_score(
     seed = rollout_seed(cfg.seed, step, attempt) if cfg.engine.reproducible_sampling else None
     if driver.multi_turn is not None:
         generation = generate_trajectories(
-            driver.live_clients(), problems, driver.multi_turn.runner, algo.group_size, seed, scoring.on_group
+            driver.live_clients(),
+            problems,
+            driver.multi_turn.runner,
+            algo.group_size,
+            seed,
+            scoring.on_group,
+            reroute=driver.roster.reroute if driver.roster is not None else None,
         )
     else:
         generation = generate_samples(
