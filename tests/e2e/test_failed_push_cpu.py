@@ -48,6 +48,22 @@ def launch(run_dir: Path, env: dict[str, str] | None = None, *overrides: str) ->
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+def launch_failing_beside_a_fault_free_run(
+    run_dir: Path, straight: Path, *overrides: str
+) -> subprocess.CompletedProcess:
+    """The launch whose push of step STEPS fails, with a fault-free one in `straight` beside it (their
+    start-ups overlap); the fault-free one must finish."""
+    unfailed = start(straight)
+    try:
+        failing = launch(run_dir, {FAIL_ENV: f"engine-0:weight_broadcast:{STEPS}"}, *overrides)
+        unfailed_out, _ = unfailed.communicate(timeout=600)
+    finally:
+        if unfailed.poll() is None:
+            unfailed.kill()
+    assert unfailed.returncode == 0, unfailed_out
+    return failing
+
+
 def assert_same_metrics(run_dir: Path, straight: Path) -> None:
     ours, theirs = (read_metrics(run / "metrics.jsonl") for run in (run_dir, straight))
     assert [line["step"] for line in ours] == list(range(1, STEPS + 1))
@@ -57,14 +73,7 @@ def assert_same_metrics(run_dir: Path, straight: Path) -> None:
 
 def test_a_push_that_spends_the_engine_restarts_it_and_the_run_goes_on(tmp_path: Path) -> None:
     run_dir, straight = tmp_path / "replaced", tmp_path / "straight"
-    unfailed = start(straight)  # beside the failing launch: their start-ups overlap
-    try:
-        replaced = launch(run_dir, {FAIL_ENV: f"engine-0:weight_broadcast:{STEPS}"})
-        unfailed_out, _ = unfailed.communicate(timeout=600)
-    finally:
-        if unfailed.poll() is None:
-            unfailed.kill()
-    assert unfailed.returncode == 0, unfailed_out
+    replaced = launch_failing_beside_a_fault_free_run(run_dir, straight)
     out = replaced.stdout
     assert replaced.returncode == 0, out + replaced.stderr
     asked = f"! the trainer asks for engine-0 to be restarted (the push of step {STEPS} left them spent: "
@@ -83,14 +92,7 @@ def test_a_push_that_spends_the_engine_restarts_it_and_the_run_goes_on(tmp_path:
 
 def test_a_failed_push_exits_76_and_a_requeued_launch_resumes_to_unfailed_metrics(tmp_path: Path) -> None:
     run_dir, straight = tmp_path / "failed", tmp_path / "straight"
-    unfailed = start(straight)  # beside the failing launch: their start-ups overlap
-    try:
-        failed = launch(run_dir, {FAIL_ENV: f"engine-0:weight_broadcast:{STEPS}"}, "engine.max_restarts=0")
-        unfailed_out, _ = unfailed.communicate(timeout=600)
-    finally:
-        if unfailed.poll() is None:
-            unfailed.kill()
-    assert unfailed.returncode == 0, unfailed_out
+    failed = launch_failing_beside_a_fault_free_run(run_dir, straight, "engine.max_restarts=0")
     out = failed.stdout
     assert failed.returncode == FAILED_PUSH_EXIT, out + failed.stderr
     record = json.loads((run_dir / "FAILED_PUSH").read_text())

@@ -4,7 +4,6 @@ trainer's rank 0 is in its rollout: killed and restarted, the run goes on."""
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 import threading
@@ -12,7 +11,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from rich.console import Console
+from test_engine_restarts import supervise, wait_until
 
 from dsv4rl.config.choices import ProcessRole
 from dsv4rl.faults.files import HEARTBEAT, fault_file, write_json_atomic
@@ -183,16 +182,7 @@ def pids(run_dir: Path, name: str) -> list[int]:
     return [int(line) for line in path.read_text().split()] if path.exists() else []
 
 
-def wait_until(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def run_with_a_stuck_engine(tmp_path: Path, max_restarts: int, then) -> tuple[int, str, Supervisor]:
-    out = io.StringIO()
-    console = Console(file=out, width=250, force_terminal=False, color_system=None)
     specs = []
     for i in range(2):
         port = free_port()
@@ -216,22 +206,13 @@ def run_with_a_stuck_engine(tmp_path: Path, max_restarts: int, then) -> tuple[in
             ProcessRole.trainer,
         )  # fmt: skip
     )
-    sup = Supervisor(specs, tmp_path, console=console, grace_s=3.0, poll_s=0.05, startup_timeout_s=20.0,
-                     max_restarts=max_restarts, engines=2, min_alive=1, health_timeout_s=0.5)  # fmt: skip
 
-    def stick() -> None:
-        try:
-            wait_until(lambda: pids(tmp_path, "engine-1") and answers(specs[1].health_url, 1.0))
-            (tmp_path / "engine-1.hang").write_text(str(pids(tmp_path, "engine-1")[0]))
-            then(out)
-        finally:
-            (tmp_path / "go").touch()
+    def stick(out) -> None:
+        wait_until(lambda: pids(tmp_path, "engine-1") and answers(specs[1].health_url, 1.0))
+        (tmp_path / "engine-1.hang").write_text(str(pids(tmp_path, "engine-1")[0]))
+        then(out)
 
-    sticker = threading.Thread(target=stick)
-    sticker.start()
-    code = sup.run()
-    sticker.join()
-    return code, out.getvalue(), sup
+    return supervise(tmp_path, specs, stick, max_restarts, health_timeout_s=0.5)
 
 
 def test_an_engine_that_stops_answering_while_requests_are_open_is_restarted(tmp_path) -> None:

@@ -85,32 +85,51 @@ def wait_until(condition, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def supervise(
+    tmp_path: Path, specs: list[ProcessSpec], act, max_restarts: int, **options
+) -> tuple[int, str, Supervisor]:
+    """Run `specs` under a supervisor (restarts on `max_restarts`) while `act(out)` runs on a thread
+    beside it (`out`: the console so far); the fake trainer is told to finish when `act` returns."""
+    out = io.StringIO()
+    console = Console(file=out, width=250, force_terminal=False, color_system=None)
+    engines = sum(spec.role == ProcessRole.engine for spec in specs)
+    sup = Supervisor(specs, tmp_path, console=console, grace_s=3.0, poll_s=0.05, startup_timeout_s=20.0,
+                     max_restarts=max_restarts, engines=engines, min_alive=1, **options)  # fmt: skip
+
+    def run_act() -> None:
+        try:
+            act(out)
+        finally:
+            (tmp_path / "go").touch()
+
+    actor = threading.Thread(target=run_act)
+    actor.start()
+    code = sup.run()
+    actor.join()
+    return code, out.getvalue(), sup
+
+
+def under_way(out: io.StringIO) -> None:
+    """The engines answered: a failure from now on is not a failed start (which is never restarted)."""
+    wait_until(lambda: "engines healthy" in out.getvalue())
+
+
 def run_with_a_kill(
     tmp_path: Path, engines: int, max_restarts: int, then, broken_restart: bool = False
 ) -> tuple[int, str, Supervisor]:
-    """Engine 1 (or 0 when alone) is SIGKILLed once the run is under way (the engines answered: a failure
-    at start-up is a failed start, never restarted); `then()` runs after, and the trainer is told to
-    finish. `broken_restart`: from the kill on, the engine fails at start."""
-    out = io.StringIO()
-    console = Console(file=out, width=200, force_terminal=False, color_system=None)
+    """Engine 1 (or 0 when alone) is SIGKILLed once the run is under way; `then()` runs after, and the
+    trainer is told to finish. `broken_restart`: from the kill on, the engine fails at start."""
     specs = [engine_spec(tmp_path, f"engine-{i}") for i in range(engines)] + [trainer_spec(tmp_path)]
     victim = f"engine-{engines - 1}"
-    sup = Supervisor(specs, tmp_path, console=console, grace_s=3.0, poll_s=0.05, startup_timeout_s=20.0,
-                     max_restarts=max_restarts, engines=engines, min_alive=1)  # fmt: skip
 
-    def kill() -> None:
-        wait_until(lambda: "engines healthy" in out.getvalue())
+    def kill(out: io.StringIO) -> None:
+        under_way(out)
         if broken_restart:
             (tmp_path / "broken").touch()
         os.kill(starts(tmp_path, victim)[0][0], signal.SIGKILL)
         then()
-        (tmp_path / "go").touch()
 
-    killer = threading.Thread(target=kill)
-    killer.start()
-    code = sup.run()
-    killer.join()
-    return code, out.getvalue(), sup
+    return supervise(tmp_path, specs, kill, max_restarts)
 
 
 def gone(pid: int) -> bool:
@@ -180,30 +199,19 @@ def test_an_engine_that_fails_again_at_start_is_a_restart_loop_not_retried(tmp_p
 def run_with_restart_requests(tmp_path: Path, engines: int, max_restarts: int) -> tuple[int, str, Supervisor]:
     """The trainer (here: the test) asks for every engine to be restarted, as after a push that left them
     spent, and waits for each answer before it finishes."""
-    out = io.StringIO()
-    console = Console(file=out, width=250, force_terminal=False, color_system=None)
     specs = [engine_spec(tmp_path, f"engine-{i}") for i in range(engines)] + [trainer_spec(tmp_path)]
-    sup = Supervisor(specs, tmp_path, console=console, grace_s=3.0, poll_s=0.05, startup_timeout_s=20.0,
-                     max_restarts=max_restarts, engines=engines, min_alive=1)  # fmt: skip
     logs = tmp_path / "logs"
     names = [f"engine-{i}" for i in range(engines)]
 
-    def ask() -> None:
-        try:
-            wait_until(lambda: all(starts(tmp_path, name) for name in names))
-            for name in names:
-                restart_requests.request_restart(logs, name, 5, "the push of step 5 failed half way")
-            wait_until(lambda: all(restart_requests.read_answer(logs, name) for name in names))
-            restarted = [name for name in names if restart_requests.read_answer(logs, name)["restarted"]]
-            wait_until(lambda: all(len(starts(tmp_path, name)) == 2 for name in restarted))  # they run
-        finally:
-            (tmp_path / "go").touch()
+    def ask(out: io.StringIO) -> None:
+        wait_until(lambda: all(starts(tmp_path, name) for name in names))
+        for name in names:
+            restart_requests.request_restart(logs, name, 5, "the push of step 5 failed half way")
+        wait_until(lambda: all(restart_requests.read_answer(logs, name) for name in names))
+        restarted = [name for name in names if restart_requests.read_answer(logs, name)["restarted"]]
+        wait_until(lambda: all(len(starts(tmp_path, name)) == 2 for name in restarted))  # they run
 
-    asker = threading.Thread(target=ask)
-    asker.start()
-    code = sup.run()
-    asker.join()
-    return code, out.getvalue(), sup
+    return supervise(tmp_path, specs, ask, max_restarts)
 
 
 def test_engines_the_trainer_asks_to_restart_are_restarted_and_the_answers_say_so(tmp_path) -> None:
@@ -241,27 +249,17 @@ def test_an_engine_that_died_in_the_push_is_answered_as_restarted(tmp_path) -> N
     """The trainer cannot tell a spent engine from one that died in the push (neither answers its health
     probe), so it asks for both: the dead one is restarted once and answered so, whichever the supervisor
     saw first, the request or the exit."""
-    out = io.StringIO()
-    console = Console(file=out, width=250, force_terminal=False, color_system=None)
     specs = [engine_spec(tmp_path, f"engine-{i}") for i in range(2)] + [trainer_spec(tmp_path)]
-    sup = Supervisor(specs, tmp_path, console=console, grace_s=3.0, poll_s=0.05, startup_timeout_s=20.0,
-                     max_restarts=3, engines=2, min_alive=1)  # fmt: skip
     logs = tmp_path / "logs"
 
-    def died_and_asked() -> None:
-        try:
-            wait_until(lambda: "engines healthy" in out.getvalue())  # under way: not a failed start
-            restart_requests.request_restart(logs, "engine-1", 5, "the push of step 5 failed")
-            os.kill(starts(tmp_path, "engine-1")[0][0], signal.SIGKILL)
-            wait_until(lambda: restart_requests.read_answer(logs, "engine-1") is not None)
-            wait_until(lambda: len(starts(tmp_path, "engine-1")) == 2)
-        finally:
-            (tmp_path / "go").touch()
+    def died_and_asked(out: io.StringIO) -> None:
+        under_way(out)
+        restart_requests.request_restart(logs, "engine-1", 5, "the push of step 5 failed")
+        os.kill(starts(tmp_path, "engine-1")[0][0], signal.SIGKILL)
+        wait_until(lambda: restart_requests.read_answer(logs, "engine-1") is not None)
+        wait_until(lambda: len(starts(tmp_path, "engine-1")) == 2)
 
-    asker = threading.Thread(target=died_and_asked)
-    asker.start()
-    code = sup.run()
-    asker.join()
-    assert code == 0, out.getvalue()
+    code, out, sup = supervise(tmp_path, specs, died_and_asked, max_restarts=3)
+    assert code == 0, out
     assert restart_requests.read_answer(logs, "engine-1")["restarted"] is True
     assert sup.restarts.counts == {"engine-1": 1} and len(starts(tmp_path, "engine-1")) == 2

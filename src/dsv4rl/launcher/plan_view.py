@@ -441,8 +441,10 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
             f"exit {FAILED_PUSH_EXIT} and <run.dir>/FAILED_PUSH, then resume=auto starts new ones (the "
             f"sbatch script requeues the job, at most cluster.max_requeues={engine['max_requeues']} times)"
         )
-        restarts = "the trainer asks for them to be restarted and pushes again; where refused, " * (
-            engine["max_restarts"] > 0
+        restarts = (
+            "the trainer asks for them to be restarted and pushes again; where refused, "
+            if engine["max_restarts"] > 0
+            else ""
         )
         console.print(
             f"a failed weight push spends the engines: {engine['restart_on_failed_push']}; they must be "
