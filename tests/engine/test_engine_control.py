@@ -129,15 +129,20 @@ def test_duplicate_in_flight_rid_is_rejected(client):
 def test_weight_versions_span_a_mid_request_update(client):
     generator = client.app.state.engine.generator
     steps = generator.steps
-    thread, box = start_long(client, max_new_tokens=30)
+    thread, box = start_long(client, max_new_tokens=200)
     wait_until(lambda: generator.steps > steps + 5)
+    # An in-place pause holds the request mid-way, so the update cannot race its last token on a slow machine.
+    client.post("/pause_generation", json={"mode": "in_place"})
+    wait_until(lambda: generator.frozen)
+    assert generator.num_requests()["running"] == 1, "the request finished before the pause: raise max_new_tokens"
     update = client.post("/update_weight_version", json={"new_version": "v2", "abort_all_requests": False})
     assert update.json() == {"success": True, "message": "Weight version updated to v2", "new_version": "v2"}
+    client.post("/continue_generation")
     thread.join(20)
     meta = box["value"].json()["meta_info"]
     spans = meta["weight_versions"]
     assert [s["version"] for s in spans] == ["default", "v2"]
-    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 30
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 200
     assert meta["weight_version"] == "v2"
     assert client.get("/model_info").json()["weight_version"] == "v2"
 
