@@ -46,12 +46,12 @@ sglang-contract:
 	$(PY) -m pip download --no-deps --quiet -d build/sglang-wheel "$(SGLANG_SPEC)"
 	$(PY) -m dsv4rl.engine.sglang_contract build/sglang-wheel/sglang-*.whl
 
-# The whole suite, with its 25 slowest tests named at the end (CI's log keeps them). TEST_WORKERS=N runs it
-# on N pytest-xdist workers (a test file per unit of work, the end-to-end files first: tests/conftest.py):
-# worth it with at least 2 cores per worker. The end-to-end runs each keep about 1.5 cores busy, so on
-# CI's 2 cores two workers made them over twice as slow and a 120-step run passed its 900 s limit: 0 (one
-# process) is the default.
-TEST_WORKERS ?= 0
+# The whole suite, with its 25 slowest tests named at the end (CI's log keeps them), on TEST_WORKERS
+# pytest-xdist workers (a test file per unit of work: tests/conftest.py). Every file with a `slow` test is
+# one unit that a single worker runs in turn: two end-to-end runs at once on CI's 2 cores ran over twice as
+# slow (their OpenMP threads spin), while the single-threaded unit tests fit beside one. TEST_WORKERS=0
+# runs everything in this one process.
+TEST_WORKERS ?= 2
 test:
 	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 

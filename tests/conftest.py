@@ -13,14 +13,18 @@ import pytest
 
 from dsv4rl.model.model_dir import CACHE_ENV
 
-# On pytest-xdist workers (`make test-fast`, `make test TEST_WORKERS=N`; --dist loadgroup): a test file is
-# one unit of work, so its module fixtures are built once; files that share a session fixture are one unit
+# On pytest-xdist workers (`make test`, `make test-fast`; --dist loadgroup): a test file is one unit of work,
+# so its module fixtures are built once; files that share a session fixture are one unit
 # (SHARED_FIXTURE_GROUPS), and the end-to-end files are handed out first, so that the longest units do not
-# start last.
+# start last. Every file with a `slow` test is one unit, SERIAL: the end-to-end runs each keep one to two
+# cores busy with OpenMP threads that spin while another process wants the cores, so two of them at once
+# on CI's 2 cores ran over twice as slow; one worker runs them one after another while the others take the
+# single-threaded unit tests beside them.
 SHARED_FIXTURE_GROUPS = {
     "tests/e2e/test_train_cpu.py": "trained_arith",  # trained_arith and short_arith (tests/e2e/conftest.py)
     "tests/e2e/test_two_nodes_cpu.py": "trained_arith",
 }
+SERIAL = "slow_serial"
 FIRST = ("tests/docs/", "tests/e2e/")
 
 _made: list[str] = []
@@ -42,11 +46,17 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
 
     # SGLang's interpreter workers (sglang_sides) start once per session and process
     sglang_files = {path(item) for item in items if "sglang_sides" in item.fixturenames}
+    slow_files = {path(item) for item in items if item.get_closest_marker("slow")}
     for item in items:
         file = path(item)
-        group = "sglang_sides" if file in sglang_files else SHARED_FIXTURE_GROUPS.get(file, file)
+        if file in slow_files:
+            group = SERIAL
+        elif file in sglang_files:
+            group = "sglang_sides"
+        else:
+            group = SHARED_FIXTURE_GROUPS.get(file, file)
         item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))
+    items.sort(key=lambda item: (path(item) not in slow_files, not item.nodeid.startswith(FIRST)))
 
 
 def pytest_unconfigure(config) -> None:
