@@ -134,7 +134,7 @@ def test_weight_versions_span_a_mid_request_update(client):
     # An in-place pause holds the request mid-way, so the update cannot race its last token on a slow machine.
     client.post("/pause_generation", json={"mode": "in_place"})
     wait_until(lambda: generator.frozen)
-    assert generator.num_requests()["running"] == 1, "the request finished before the pause: raise max_new_tokens"
+    assert generator.num_requests()["running"] == 1, "it finished before the pause: raise max_new_tokens"
     update = client.post("/update_weight_version", json={"new_version": "v2", "abort_all_requests": False})
     assert update.json() == {"success": True, "message": "Weight version updated to v2", "new_version": "v2"}
     client.post("/continue_generation")
