@@ -10,6 +10,7 @@ import shutil
 import tempfile
 
 import pytest
+from _pytest.nodes import Node
 
 from dsv4rl.model.model_dir import CACHE_ENV
 
@@ -34,6 +35,24 @@ def pytest_configure(config) -> None:
     if CACHE_ENV not in os.environ:
         _made.append(tempfile.mkdtemp(prefix="dsv4rl-test-cache-"))
         os.environ[CACHE_ENV] = _made[0]
+    grouped = config.getoption("dist", "no") == "loadgroup" and config.getoption("numprocesses", None)
+    if grouped and not _test_ids_take_groups():
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} keeps test ids where pytest-xdist's --dist loadgroup cannot tag "
+            "them with their group (pytest-xdist issue 1386): the groups would be ignored without a word "
+            "and two end-to-end runs would share the cores. Install the pytest that pyproject.toml's dev "
+            "extra names (`make install`), or run in one process (TEST_WORKERS=0)"
+        )
+
+
+def _test_ids_take_groups() -> bool:
+    """Whether a test's id follows its `_nodeid`, where xdist's loadgroup writes `<id>@<group>`."""
+    probe = object.__new__(Node)
+    probe._nodeid = "tests/test_x.py::test_x@group"
+    try:
+        return probe.nodeid == "tests/test_x.py::test_x@group"
+    except AttributeError:  # pytest 9.2: the id is a structured object of its own
+        return False
 
 
 @pytest.hookimpl(tryfirst=True)
