@@ -14,7 +14,7 @@ from dsv4rl.config.compose import compose
 from dsv4rl.engine_client import roster as roster_module
 from dsv4rl.engine_client.client import EngineClient, EngineError
 from dsv4rl.engine_client.roster import EngineRoster, EnginesLost, restart_budget
-from dsv4rl.faults import restart_requests
+from dsv4rl.faults import engine_ports, restart_requests
 
 
 def refused(request: httpx.Request) -> httpx.Response:
@@ -26,11 +26,12 @@ class Engine:
 
     def __init__(self, app, index: int) -> None:
         self.alive = True
+        self.port = 30000  # where it listens: a restart may move it
         self.app = app
         inner = httpx.ASGITransport(app=app)
 
         async def handle(request: httpx.Request) -> httpx.Response:
-            if not self.alive:
+            if not self.alive or request.url.port != self.port:
                 refused(request)
             return await inner.handle_async_request(request)
 
@@ -122,6 +123,29 @@ def test_an_engine_back_before_any_sync_went_without_it_still_rejoins(engines) -
     engines[1].alive = True
     assert asyncio.run(roster.members_for_sync()) == [0, 1, 2]
     assert roster.regrouped([0, 1, 2]) == [1]
+
+
+def test_a_lost_engine_restarted_on_another_port_is_followed_there_and_rejoins(
+    engines, tmp_path, caplog
+) -> None:
+    """Its supervisor found its port taken and started it on another (`port-engine-1.json`): the roster
+    reads the move before it asks the engine, and every later request goes to the new address."""
+    roster = EngineRoster([e.client for e in engines], min_alive=1, health_timeout_s=1.0, log_dir=tmp_path)
+    engines[1].alive = False
+    asyncio.run(roster.reroute(engines[1].client, lost_error(engines[1])))
+    engines[1].alive, engines[1].port = True, 30007
+    assert asyncio.run(roster.members_for_sync()) == [0, 2]  # no move recorded: its old address is dead
+    engine_ports.record_move(tmp_path, "engine-1", 30007, 30000)
+    with caplog.at_level("WARNING", logger="dsv4rl.rollout"):
+        assert asyncio.run(roster.members_for_sync()) == [0, 1, 2]
+    assert engines[1].client.base_url == "http://engine-1:30007"
+    assert "engine-1 was restarted on port 30007 (another process holds its port): " in caplog.text
+    assert "http://engine-1:30000 -> http://engine-1:30007" in caplog.text
+    assert roster.regrouped([0, 1, 2]) == [1]
+    assert asyncio.run(engines[1].client.health(1.0))  # a request after the move reaches it
+    caplog.clear()
+    roster.follow_moves([1])  # followed once: nothing new to say
+    assert caplog.text == ""
 
 
 def test_after_a_failed_push_the_members_that_do_not_answer_are_lost(engines) -> None:

@@ -145,6 +145,23 @@ def test_a_restarted_engine_still_loading_is_not_probed() -> None:
     probe.close()
 
 
+def test_an_engine_restarted_on_another_port_is_probed_there_with_a_fresh_count() -> None:
+    probed = []
+    clock = Clock()
+    probe = SilentEngineProbe([("engine-0", URL)], 1.0, probe=lambda url, _: probed.append(url), clock=clock)
+    assert settled(probe).observe(True) == []  # a probe at the old address goes out
+    assert settled(probe).observe(True) == [] and probe._targets["engine-0"].misses == 1
+    moved = "http://127.0.0.1:2/health_generate"
+    probe.follow("engine-0", moved)
+    probe.follow("engine-7", moved)  # not this node's: nothing to follow
+    clock.now = 1.0
+    assert settled(probe).observe(True) == []  # its first probe at the new address goes out
+    settled(probe)
+    assert probed == [URL, moved] and list(probe._targets) == ["engine-0"]
+    assert probe._targets["engine-0"].misses == 0  # the old address's miss is forgotten
+    probe.close()
+
+
 # A fake SGLang engine: 200 on /health_generate, except the process whose pid is in <run_dir>/<name>.hang,
 # which never answers (a stuck scheduler); writes its pid to <run_dir>/<name>.pids per start.
 ENGINE = r"""

@@ -4,34 +4,41 @@ restart loop and an exhausted budget stop the run as before."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
+import httpx
 from rich.console import Console
 
 from dsv4rl.config.choices import ProcessRole
-from dsv4rl.faults import restart_requests
+from dsv4rl.faults import engine_ports, restart_requests
+from dsv4rl.launcher import engine_restarts
 from dsv4rl.launcher.engine_restarts import EngineRestarts
-from dsv4rl.launcher.plan import ProcessSpec
+from dsv4rl.launcher.plan import ProcessSpec, port_is_free
 from dsv4rl.launcher.supervisor import Supervisor
 from free_ports import free_port
 
-# A fake engine: /health_generate on its port; writes "<pid> <grandchild pid>" to its pid file (appended
-# per start); fails at start while <run_dir>/broken exists.
+# A fake engine (`--host H --port P RUN_DIR NAME`): /health_generate on its port; writes "<pid> <grandchild
+# pid> <port>" to its pid file (appended per start); fails at start while <run_dir>/broken exists. While
+# <run_dir>/orphan-<name> exists at its start, it leaves an orphan in a session of its own that holds its
+# listening socket after it dies (pid in <run_dir>/orphan.pid), as a worker that outlived its engine would.
 ENGINE = r"""
 import http.server, os, subprocess, sys
-port, run_dir, name = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+args = sys.argv[1:]
+host, port, (run_dir, name) = args[args.index("--host") + 1], int(args[args.index("--port") + 1]), args[-2:]
 if os.path.exists(os.path.join(run_dir, "broken")):
     print("engine: cannot load the weights (fake)", flush=True)
     sys.exit(2)
 grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 with open(os.path.join(run_dir, name + ".pids"), "a") as f:
-    f.write(f"{os.getpid()} {grandchild.pid}\n")
+    f.write(f"{os.getpid()} {grandchild.pid} {port}\n")
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200)
@@ -40,7 +47,14 @@ class Health(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 http.server.ThreadingHTTPServer.allow_reuse_address = True
-http.server.ThreadingHTTPServer(("127.0.0.1", port), Health).serve_forever()
+server = http.server.ThreadingHTTPServer((host, port), Health)
+if os.path.exists(os.path.join(run_dir, "orphan-" + name)):
+    os.remove(os.path.join(run_dir, "orphan-" + name))
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              pass_fds=[server.fileno()], start_new_session=True)
+    with open(os.path.join(run_dir, "orphan.pid"), "w") as f:
+        f.write(str(orphan.pid))
+server.serve_forever()
 """
 # A fake trainer: runs until <run_dir>/go appears.
 TRAINER = r"""
@@ -54,7 +68,7 @@ def engine_spec(run_dir: Path, name: str) -> ProcessSpec:
     port = free_port()
     return ProcessSpec(
         name=name,
-        argv=[sys.executable, "-c", ENGINE, str(port), str(run_dir), name],
+        argv=[sys.executable, "-c", ENGINE, "--host", "127.0.0.1", "--port", str(port), str(run_dir), name],
         env=dict(os.environ),
         log_path=run_dir / "logs" / f"{name}.log",
         role=ProcessRole.engine,
@@ -73,6 +87,11 @@ def trainer_spec(run_dir: Path) -> ProcessSpec:
 
 
 def starts(run_dir: Path, name: str) -> list[tuple[int, int]]:
+    """(pid, grandchild pid) of each start of engine `name`."""
+    return [start[:2] for start in ports_and_starts(run_dir, name)]
+
+
+def ports_and_starts(run_dir: Path, name: str) -> list[tuple[int, int, int]]:
     path = run_dir / f"{name}.pids"
     lines = path.read_text().splitlines() if path.exists() else []
     return [tuple(map(int, line.split())) for line in lines]
@@ -132,6 +151,13 @@ def run_with_a_kill(
     return supervise(tmp_path, specs, kill, max_restarts)
 
 
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -170,6 +196,62 @@ def test_a_killed_engine_is_restarted_with_its_command_and_ports_and_the_run_fin
     first, second = starts(tmp_path, "engine-1")
     assert first[0] != second[0]
     assert all(gone(pid) for pid in (*first, *second))  # the killed engine's grandchild did not outlive it
+
+
+def test_an_engine_whose_port_an_orphan_holds_restarts_on_a_free_port_and_says_where(
+    tmp_path, monkeypatch
+) -> None:
+    """The killed engine's orphan keeps its listening socket: the restart waits for the port a moment,
+    then takes a free one; the console and `port-<engine>.json` name the move, the probe follows."""
+    monkeypatch.setattr(engine_restarts, "PORT_RELEASE_S", 0.5)
+    (tmp_path / "orphan-engine-1").touch()
+    try:
+
+        def restarted_elsewhere() -> None:
+            wait_until(lambda: len(starts(tmp_path, "engine-1")) == 2)
+            port = ports_and_starts(tmp_path, "engine-1")[1][2]
+            wait_until(lambda: answers(f"http://127.0.0.1:{port}/health_generate"))
+
+        code, out, sup = run_with_a_kill(tmp_path, engines=2, max_restarts=3, then=restarted_elsewhere)
+        (_, _, planned), (_, _, moved) = ports_and_starts(tmp_path, "engine-1")
+        assert code == 0, out
+        assert moved != planned
+        assert (
+            "! engine-1 was killed by SIGKILL (exit code -9): restarting it with its command and port "
+            f"{moved} (another process holds its port {planned}) (restart 1 of engine.max_restarts=3)"
+        ) in out
+        assert engine_ports.moved_port(tmp_path / "logs", "engine-1") == moved
+        assert engine_ports.moved_port(tmp_path / "logs", "engine-0") is None
+        assert [c.spec.health_url for c in sup.table.engines() if c.name == "engine-1"] == [
+            f"http://127.0.0.1:{moved}/health_generate"
+        ]
+    finally:
+        orphan = tmp_path / "orphan.pid"
+        if orphan.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(orphan.read_text()), signal.SIGKILL)
+
+
+def test_a_restart_keeps_its_port_when_it_frees_and_moves_with_its_offsets_when_taken(tmp_path) -> None:
+    spec = engine_spec(tmp_path, "engine-0")
+    host, port = engine_restarts.listen_address(spec)
+    assert (host, port) == ("127.0.0.1", int(spec.health_url.split(":")[-1].split("/")[0]))
+    assert engine_restarts.port_for_restart(spec, release_s=0.1) is None
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        started = time.monotonic()
+        moved = engine_restarts.port_for_restart(spec, offsets=(3, 5), release_s=0.3)
+        assert time.monotonic() - started >= 0.3  # it waited for the port to be let go of first
+    assert moved is not None and moved != port
+    assert all(port_is_free("127.0.0.1", moved + offset) for offset in (0, 3, 5))
+    on_new = engine_restarts.on_port(spec, moved)
+    assert on_new.argv[on_new.argv.index("--port") + 1] == str(moved)
+    assert on_new.health_url == f"http://127.0.0.1:{moved}/health_generate"
+    assert on_new.meta["port"] == str(moved) and spec.argv[spec.argv.index("--port") + 1] == str(port)
+    no_port = ProcessSpec("engine-9", ["x"], {}, tmp_path / "x.log", ProcessRole.engine)
+    assert engine_restarts.listen_address(no_port) is None
+    assert engine_restarts.port_for_restart(no_port) is None
 
 
 def test_without_restarts_the_kill_stops_the_run_as_before(tmp_path) -> None:

@@ -361,6 +361,20 @@ def test_connect_failure_names_the_engine() -> None:
         sync.close()
 
 
+def test_regroup_moves_a_stale_client_to_the_address_rank_0_gives(engine_urls) -> None:
+    """Another pipeline stage's sender holds clients of its own: an engine that rank 0 found restarted on
+    another port is reached there once the group is rebuilt with rank 0's addresses."""
+    model = trainer_model(TRAINER_SEED + 4)
+    with make_sync(engine_urls, bucket_bytes=64 * 1024) as sync:
+        sync.regroup([0])
+        sync.all_clients[1].move_to(f"http://127.0.0.1:{free_port()}")  # where it listened before
+        sync.regroup([0, 1], urls=engine_urls)
+        assert [c.base_url for c in sync.clients] == engine_urls
+        sync.push(model.state_dict().items(), "moved")
+    assert [version_of(url) for url in engine_urls] == ["moved", "moved"]
+    assert_engine_holds(engine_urls[1], model)
+
+
 def test_regroup_goes_on_without_a_lost_engine_and_takes_it_back_with_a_full_push(engine_urls) -> None:
     """A lost engine leaves the group (rebuilt under a new name on the same port) and rejoins it later;
     the next push gives it every weight, and every request is one SGLang 0.5.23 takes."""

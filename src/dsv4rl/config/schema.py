@@ -448,7 +448,8 @@ class EngineConfig:
     freeze_gc: bool = True
     retries: int = 2  # after the first attempt of an idempotent call whose connection broke, or a 502-504
     # An engine that dies (or hangs past run.step_timeout_s) is restarted by its node's supervisor with its
-    # command and ports, at most this many times per engine and run; its requests go to the others
+    # command and ports (a free port when another process holds its own), at most this many times per
+    # engine and run; its requests go to the others
     # meanwhile and it rejoins the weight-update group at the next sync (docs/faults.md). 0: an engine
     # failure stops the run. Colocated engines are never restarted (they share the trainer's GPUs).
     max_restarts: int = 3

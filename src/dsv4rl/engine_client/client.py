@@ -125,6 +125,14 @@ class EngineClient:
     def __repr__(self) -> str:
         return f"EngineClient({self.base_url!r})"
 
+    def move_to(self, base_url: str) -> None:
+        """The engine listens at `base_url` now (restarted on another port): every later request goes
+        there; the connections to its old address are dead with its old process."""
+        with self._lock:
+            self.base_url = base_url.rstrip("/")
+            for state in self._states.values():
+                state.http.base_url = self.base_url
+
     # ----------------------------------------------------------------------------------- plumbing
     def _state(self) -> _LoopState:
         loop = asyncio.get_running_loop()

@@ -8,7 +8,9 @@ stay whole. Its node's supervisor restarts it (`dsv4rl.launcher.engine_restarts`
 trainer asks the lost engines whether they answer again and rebuilds the weight-update group with every
 engine that does (`members_for_sync`): a group with a dead member cannot be used again. A rejoined
 engine takes requests only after the sync that gave it the current weights, and its log-prob probe,
-passed. Fewer live engines than `engine.min_alive` stops the run (`EnginesLost`).
+passed. An engine restarted on another port (its own was taken: `dsv4rl.faults.engine_ports`) is
+followed there before it is asked. Fewer live engines than `engine.min_alive` stops the run
+(`EnginesLost`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from dsv4rl.config.schema import Config
 from dsv4rl.engine_client.client import EngineClient, EngineError
 from dsv4rl.faults import heartbeat
+from dsv4rl.faults.engine_ports import moved_port, url_with_port
 from dsv4rl.faults.restart_requests import read_answer, request_restart
 
 __all__ = ["EngineRoster", "EnginesLost", "restart_budget"]
@@ -42,12 +45,21 @@ def restart_budget(cfg: Config) -> int:
 
 
 class EngineRoster:
-    """`clients`: every engine of the run, in the topology's order (the weight-update group's rank order)."""
+    """`clients`: every engine of the run, in the topology's order (the weight-update group's rank order).
+    `log_dir`: the run's, where the supervisors say which engines moved to another port."""
 
-    def __init__(self, clients: Sequence[EngineClient], *, min_alive: int, health_timeout_s: float) -> None:
+    def __init__(
+        self,
+        clients: Sequence[EngineClient],
+        *,
+        min_alive: int,
+        health_timeout_s: float,
+        log_dir: Path | str | None = None,
+    ) -> None:
         self.clients = list(clients)
         self.min_alive = min_alive
         self.health_timeout_s = health_timeout_s
+        self.log_dir = None if log_dir is None else Path(log_dir)
         self.down: set[int] = set()  # lost, not yet rejoined
         self.members = list(range(len(self.clients)))  # the engines in the weight-update group
         self.restarts = 0  # engines that came back and rejoined
@@ -57,7 +69,12 @@ class EngineRoster:
 
     @classmethod
     def from_config(cls, cfg: Config, clients: Sequence[EngineClient]) -> EngineRoster:
-        return cls(clients, min_alive=cfg.engine.min_alive, health_timeout_s=cfg.engine.health_timeout_s)
+        return cls(
+            clients,
+            min_alive=cfg.engine.min_alive,
+            health_timeout_s=cfg.engine.health_timeout_s,
+            log_dir=Path(cfg.run.dir) / "logs",
+        )
 
     def live(self) -> list[EngineClient]:
         return [self.clients[index] for index in self.live_indices()]
@@ -116,6 +133,7 @@ class EngineRoster:
         that answer /health_generate again), or None when that is the group as it is. The live ones are
         not probed: one that died unnoticed fails the push, and `recheck` finds it then."""
         back = sorted(self.down)
+        self.follow_moves(back)
         answers = await asyncio.gather(*(self.clients[i].health(RETURN_PROBE_S) for i in back))
         wanted = sorted(set(self.live_indices()) | {i for i, ok in zip(back, answers, strict=True) if ok})
         if len(wanted) < self.min_alive:
@@ -170,6 +188,7 @@ class EngineRoster:
         deadline = time.monotonic() + startup_timeout_s
         loading = list(spent)
         while loading:
+            self.follow_moves(loading)
             back = await asyncio.gather(*(self.clients[i].health(RETURN_PROBE_S) for i in loading))
             loading = [index for index, ok in zip(loading, back, strict=True) if not ok]
             if loading and time.monotonic() > deadline:
@@ -179,6 +198,22 @@ class EngineRoster:
             heartbeat.progress()
             await asyncio.sleep(0.5 if loading else 0)
         return await self.members_for_sync()
+
+    def follow_moves(self, indices: Sequence[int]) -> None:
+        """The clients of lost engines `indices` that their supervisor restarted on another port (their own
+        was taken) follow them there."""
+        if self.log_dir is None:
+            return
+        for index in indices:
+            client, port = self.clients[index], moved_port(self.log_dir, self.names[index])
+            if port is None or client.base_url == url_with_port(client.base_url, port):
+                continue
+            was = client.base_url
+            client.move_to(url_with_port(was, port))
+            log.warning(
+                "%s was restarted on port %d (another process holds its port): %s -> %s",
+                self.names[index], port, was, client.base_url,
+            )  # fmt: skip
 
     def live_indices(self) -> list[int]:
         return [index for index in range(len(self.clients)) if index not in self.down]

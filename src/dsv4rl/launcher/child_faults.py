@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv4rl.config.choices import ProcessRole
-from dsv4rl.faults import restart_requests
+from dsv4rl.faults import engine_ports, restart_requests
 from dsv4rl.faults.files import (
     CRASH,
     HEARTBEAT,
@@ -70,6 +70,7 @@ class ChildFaults:
                         path.unlink()
             if spec.role == ProcessRole.engine:
                 restart_requests.clear(self.log_dir(spec), spec.name)
+                engine_ports.clear(self.log_dir(spec), spec.name)
 
     def heartbeats(self, alive: set[int]) -> list[SeenBeat]:
         """Every heartbeat of this run: this node's from live processes (pids in `alive`), other nodes'."""

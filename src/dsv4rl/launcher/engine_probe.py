@@ -116,6 +116,11 @@ class SilentEngineProbe:
                 target.probe = self._pool.submit(self.probe, target.url, self.timeout_s)
         return hung
 
+    def follow(self, name: str, url: str) -> None:
+        """Engine `name` now answers at `url` (restarted on another port); its misses start afresh."""
+        if name in self._targets:
+            self._targets[name] = _Target(name, url)
+
     def describe(self, name: str) -> str:
         return (
             f"{name} did not answer /health_generate within engine.health_timeout_s={self.timeout_s:g} s "

@@ -105,11 +105,11 @@ class ProcessTable:
         self._say(Text(f"started {spec.name} (pid {proc.pid}), log {spec.log_path}", style="dim"))
         return child
 
-    def restart(self, child: Child) -> Child:
-        """Start `child`'s spec again (same command, ports, environment; its log appended to) in its place;
-        whatever is left of its process group is killed first."""
+    def restart(self, child: Child, spec: ProcessSpec | None = None) -> Child:
+        """Start `child`'s spec again (same command, ports, environment; its log appended to), or `spec`
+        (the same on another port), in its place; whatever is left of its process group is killed first."""
         kill_group(child.proc.pid)
-        fresh = self.start(child.spec)
+        fresh = self.start(spec or child.spec)
         self.children.remove(child)
         return fresh
 

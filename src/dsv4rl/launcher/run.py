@@ -39,7 +39,7 @@ from dsv4rl.launcher.plan import (
 )
 from dsv4rl.launcher.run_lock import RunDirInUse, RunLock, unwritable
 from dsv4rl.launcher.supervisor import Supervisor
-from dsv4rl.topology import topology
+from dsv4rl.topology import engine_port_layout, topology
 
 
 def write_config(cfg: Config, run_dir: Path) -> Path:
@@ -200,6 +200,7 @@ def _run_locked(
         engines=len(topology(cfg).engines),
         min_alive=cfg.engine.min_alive,
         health_timeout_s=cfg.engine.health_timeout_s,
+        engine_port_offsets=engine_port_layout(cfg)[1],
     )
     code = supervisor.run()
     if task == Task.train and node == 0:

@@ -32,13 +32,13 @@ from rich.panel import Panel
 from rich.text import Text
 
 from dsv4rl.config.choices import ProcessRole
-from dsv4rl.faults import restart_requests
+from dsv4rl.faults import engine_ports, restart_requests
 from dsv4rl.faults.failed_push import FAILED_PUSH_EXIT
 from dsv4rl.faults.proc_tree import become_subreaper, kill_group
 from dsv4rl.faults.stop import STOP_SIGNALS, STOPPED_EXIT
 from dsv4rl.launcher.child_faults import ChildFaults
 from dsv4rl.launcher.engine_probe import SilentEngineProbe, requests_open, silent_engines
-from dsv4rl.launcher.engine_restarts import EngineRestarts
+from dsv4rl.launcher.engine_restarts import EngineRestarts, listen_address, on_port, port_for_restart
 from dsv4rl.launcher.failure_narration import FailureNarration
 from dsv4rl.launcher.marker import FINISHED, DoneMarker
 from dsv4rl.launcher.node_liveness import NodeLiveness
@@ -60,7 +60,8 @@ class Supervisor:
     (a rollout-only node), the run ends when it appears. `show_progress`: tail the metrics (one node).
     `step_timeout_s`: the hang watchdog's limit (0: off). `max_restarts`: how often each engine of this node
     that dies or hangs is restarted while the run goes on (`dsv4rl.launcher.engine_restarts`; 0: an
-    engine failure stops the run), out of `engines` in the run of which `min_alive` must answer.
+    engine failure stops the run), out of `engines` in the run of which `min_alive` must answer; one whose
+    port another process holds is restarted on a free port (with `engine_port_offsets` free above it).
     `stop_grace_s`: how long a graceful stop may take
     (0: every signal stops at once, as for `dsv4rl eval`); `resume_hint`: the command that resumes the run.
 
@@ -93,6 +94,7 @@ class Supervisor:
         engines: int = 1,
         min_alive: int = 1,
         health_timeout_s: float = 10.0,
+        engine_port_offsets: Sequence[int] = (),
     ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -133,6 +135,7 @@ class Supervisor:
             node_addrs=node_addrs,
         )
         self.restarts = EngineRestarts(max_restarts, engines, min_alive)
+        self.engine_port_offsets = tuple(engine_port_offsets)  # ports each engine opens above its own
         # engines that write no heartbeat (SGLang): probed while the trainer has requests open, so that a
         # hung one is restarted rather than found by the step watchdog, which stops the run
         probed = silent_engines(self.specs) if max_restarts > 0 else []
@@ -398,20 +401,35 @@ class Supervisor:
             if requested:
                 restart_requests.answer_request(log_dir, child.name, False, refusal)
             return False
-        count = self.restarts.restarted(child.name, child.spec.health_url)
+        kill_group(child.proc.pid)  # whatever is left of it lets go of its port
+        spec, ports = self._spec_for_restart(child, log_dir)
+        count = self.restarts.restarted(child.name, spec.health_url)
         meanwhile = "waits for it" if requested else "sends its requests to the other engines meanwhile"
         self._print(
             Text(
-                f"! {child.name} {describe_exit(code)}: restarting it with its command and ports (restart "
+                f"! {child.name} {describe_exit(code)}: restarting it with its command and {ports} (restart "
                 f"{count} of engine.max_restarts={self.restarts.max_restarts}); the trainer {meanwhile}",
                 style="bold yellow",
             ),
             soft_wrap=True,
         )
-        self.table.restart(child)
+        self.table.restart(child, spec)
         if requested:
             restart_requests.answer_request(log_dir, child.name, True)
         return True
+
+    def _spec_for_restart(self, child: Child, log_dir: Path) -> tuple[ProcessSpec, str]:
+        """The engine's spec as it restarts, and the console's words for its ports: its own, or a free port
+        when another process holds its own (the move recorded for the trainer: `faults.engine_ports`)."""
+        port = port_for_restart(child.spec, self.engine_port_offsets)
+        if port is None:
+            return child.spec, "ports"
+        was = listen_address(child.spec)[1]
+        spec = on_port(child.spec, port)
+        engine_ports.record_move(log_dir, child.name, port, was)
+        if spec.health_url:
+            self.silent_probe.follow(child.name, spec.health_url)
+        return spec, f"port {port} (another process holds its port {was})"
 
     def _serve_restart_requests(self) -> None:
         """The trainer asked for engines of this node to be restarted (a failed push left their weights

@@ -119,14 +119,14 @@ class StagedWeightSync:
                     error = f"stage {source.stage} (rank {source.rank}): {exc}"
             self._agree(error)
 
-    def regroup(self, members: Sequence[int]) -> None:
-        """Collective: every stage's group rebuilt with the engines `members` (`WeightSync.regroup`), one
-        stage after another as in `connect`."""
+    def regroup(self, members: Sequence[int], urls: Sequence[str] | None = None) -> None:
+        """Collective: every stage's group rebuilt with the engines `members` (`WeightSync.regroup`, with
+        rank 0's engine `urls`), one stage after another as in `connect`."""
         for source in self.sources:
             error = None
             if source.rank == self.rank:
                 try:
-                    self.sender.regroup(members)
+                    self.sender.regroup(members, urls)
                 except WeightSyncError as exc:
                     error = f"stage {source.stage} (rank {source.rank}): rebuilding the group: {exc}"
             self._agree(error)

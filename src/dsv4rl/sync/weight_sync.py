@@ -230,14 +230,18 @@ class WeightSync:
             transport.connect()
             self.transport, self._broken = transport, None
 
-    def regroup(self, members: Sequence[int]) -> None:
+    def regroup(self, members: Sequence[int], urls: Sequence[str] | None = None) -> None:
         """Rebuild the group with the engines `members` (indices into the clients this sync was made with):
         an engine was lost or came back. A communicator with a dead member cannot be used again, so the old
         group is destroyed on its members that still answer and here, and a new one is created under a new
-        name (SGLang keys groups by name) on the same port (the trainer's store serves every group)."""
+        name (SGLang keys groups by name) on the same port (the trainer's store serves every group).
+        `urls`: every engine's address as rank 0 knows it (one restarted on another port moved)."""
         with self._lock:
             if self._spent:
                 raise WeightSyncError(self._spent)
+            for client, url in zip(self.all_clients, urls or (), strict=False):
+                if getattr(client, "base_url", url) != url:
+                    client.move_to(url)
             transport, self.transport, self._broken = self.transport, None, None
             if transport is not None:
                 transport.close()

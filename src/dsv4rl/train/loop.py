@@ -426,13 +426,17 @@ class RLLoop:
         restarted engine then holds the model it loaded: the push is full, and its probe is due)."""
         if not self.restarts_on:
             return False
-        box = [decide() if self.driver is not None else None]
+        members = decide() if self.driver is not None else None
+        # with the members, where each engine listens now (a restarted one may have moved to another port):
+        # the other stages' senders hold clients of their own
+        urls = [c.base_url for c in self.driver.roster.clients] if members is not None else None
+        box = [(members, urls)]
         if self.world_size > 1:
             dist.broadcast_object_list(box, src=0)
-        members = box[0]
+        members, urls = box[0]
         if members is None:
             return False
-        self.weight_sync.regroup(members)
+        self.weight_sync.regroup(members, urls)
         if self.driver is not None:
             rejoined = self.driver.roster.regrouped(members)
             self.follow_live_engines()
