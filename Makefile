@@ -47,11 +47,10 @@ sglang-contract:
 	$(PY) -m dsv4rl.engine.sglang_contract build/sglang-wheel/sglang-*.whl
 
 # The whole suite, with its 25 slowest tests named at the end (CI's log keeps them), on TEST_WORKERS
-# pytest-xdist workers (a test file per unit of work: tests/conftest.py). The files with `slow` tests are
-# two units, each run in turn by one worker: the training runs first, beside the unit tests on the other
-# worker; the runs that mostly wait (watchdogs, timeouts, SGLang's interpreter) last, on the worker the unit
-# tests freed. Two training runs side by side on CI's 2 cores each run over twice as slowly (their OpenMP
-# threads spin). TEST_WORKERS=0 runs everything in this one process.
+# pytest-xdist workers (a test file per unit of work: tests/conftest.py). Every file with a `slow` test is
+# one unit that a single worker runs in turn: two end-to-end runs at once on CI's 2 cores ran over twice as
+# slow (their OpenMP threads spin), while the single-threaded unit tests fit beside one. TEST_WORKERS=0
+# runs everything in this one process.
 TEST_WORKERS ?= 2
 test:
 	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder

@@ -16,24 +16,16 @@ from dsv4rl.model.model_dir import CACHE_ENV
 
 # On pytest-xdist workers (`make test`, `make test-fast`; --dist loadgroup): a test file is one unit of work,
 # so its module fixtures are built once; files that share a session fixture are one unit
-# (SHARED_FIXTURE_GROUPS). The files with `slow` tests are two units that one worker each runs in turn: the
-# end-to-end runs keep one to two cores busy with OpenMP threads that spin while another process wants the
-# cores, so two heavy ones side by side on CI's 2 cores each run over twice as slowly. SERIAL (the runs that
-# train, handed out first) goes to one worker while the other takes the unit tests; LATE (runs that mostly
-# wait: on a watchdog, a timeout, a signal; SGLang's interpreter; the quick benches) is handed out last, to
-# the worker that finished the unit tests while the first still trains.
+# (SHARED_FIXTURE_GROUPS), and the end-to-end files are handed out first, so that the longest units do not
+# start last. Every file with a `slow` test is one unit, SERIAL: the end-to-end runs each keep one to two
+# cores busy with OpenMP threads that spin while another process wants the cores, so two of them at once
+# on CI's 2 cores ran over twice as slow; one worker runs them one after another while the others take the
+# single-threaded unit tests beside them.
 SHARED_FIXTURE_GROUPS = {
     "tests/e2e/test_train_cpu.py": "trained_arith",  # trained_arith and short_arith (tests/e2e/conftest.py)
     "tests/e2e/test_two_nodes_cpu.py": "trained_arith",
 }
-SERIAL, LATE = "slow_serial", "slow_late"
-LATE_FILES = (
-    "tests/e2e/test_faults_cpu.py",
-    "tests/e2e/test_reward_fns_cpu.py",
-    "tests/e2e/test_partition_cpu.py",
-    "tests/e2e/test_preempt_cpu.py",
-    "tests/test_bench.py",
-)  # and every file of the `sglang` group (its interpreter's workers start once per worker)
+SERIAL = "slow_serial"
 FIRST = ("tests/docs/", "tests/e2e/")
 
 _made: list[str] = []
@@ -74,18 +66,16 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
     # SGLang's interpreter workers (sglang_sides) start once per session and process
     sglang_files = {path(item) for item in items if "sglang_sides" in item.fixturenames}
     slow_files = {path(item) for item in items if item.get_closest_marker("slow")}
-    late_files = (slow_files & set(LATE_FILES)) | sglang_files
-    order = {}  # the unit's place in the queue: SERIAL, the unit tests, LATE
     for item in items:
         file = path(item)
-        if file in late_files:
-            group, order[file] = LATE, 2
-        elif file in slow_files:
-            group, order[file] = SERIAL, 0
+        if file in slow_files:
+            group = SERIAL
+        elif file in sglang_files:
+            group = "sglang_sides"
         else:
-            group, order[file] = SHARED_FIXTURE_GROUPS.get(file, file), 1
+            group = SHARED_FIXTURE_GROUPS.get(file, file)
         item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: (order[path(item)], not item.nodeid.startswith(FIRST)))
+    items.sort(key=lambda item: (path(item) not in slow_files, not item.nodeid.startswith(FIRST)))
 
 
 def pytest_unconfigure(config) -> None:
