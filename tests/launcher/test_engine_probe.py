@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from test_engine_restarts import supervise, wait_until
+from test_engine_restarts import supervise, under_way, wait_until
 
 from dsv4rl.config.choices import ProcessRole
 from dsv4rl.faults.files import HEARTBEAT, fault_file, write_json_atomic
@@ -225,7 +225,8 @@ def run_with_a_stuck_engine(tmp_path: Path, max_restarts: int, then) -> tuple[in
     )
 
     def stick(out) -> None:
-        wait_until(lambda: pids(tmp_path, "engine-1") and answers(specs[1].health_url, 1.0))
+        under_way(out)  # past the supervisor's startup wait, whose own probe would otherwise meet the hang
+        assert answers(specs[1].health_url, 1.0)
         (tmp_path / "engine-1.hang").write_text(str(pids(tmp_path, "engine-1")[0]))
         then(out)
 

@@ -130,7 +130,7 @@ def supervise(
 
 def under_way(out: io.StringIO) -> None:
     """The engines answered: a failure from now on is not a failed start (which is never restarted)."""
-    wait_until(lambda: "engines healthy" in out.getvalue())
+    wait_until(lambda: any(m in out.getvalue() for m in ("engines healthy", "the trainer is past its wait")))
 
 
 def run_with_a_kill(
