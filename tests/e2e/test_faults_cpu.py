@@ -24,7 +24,7 @@ from dsv4rl.train.checkpoint_dirs import checkpoint_dir, complete_checkpoints
 from free_ports import port_overrides
 
 pytestmark = pytest.mark.slow
-TIMEOUT_S = 30  # well above a real phase of these small steps on 2 busy cores
+TIMEOUT_S = 20  # well above a real phase of these small steps (about a second) on 2 busy cores
 
 
 def run(run_dir: Path, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess:

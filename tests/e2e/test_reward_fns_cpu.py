@@ -85,10 +85,10 @@ def test_user_functions_faults_and_rollout_records(tmp_path: Path) -> None:
 def test_a_reward_that_always_hangs_stops_the_first_step_and_leaves_no_process(tmp_path: Path) -> None:
     """The hostile case of issue 37: the only reward function starts three processes (a child, a child in a
     session of its own, a double-forked daemon), then hangs; timeout_s 1, on_error zero, one worker. The
-    run stops in step 1 once 26 of its 512 calls timed out (more than reward.max_timeout_fraction=0.05),
+    run stops in step 1 once 4 of its 64 calls timed out (more than reward.max_timeout_fraction=0.05),
     naming the function and its timeout in `dsv4rl train`'s root cause, the trainer's log and its crash
     report; never more processes of the function live than one call's three (the killed worker's go with
-    it), and none after the run. Before: step 1 took 512 timeouts and trained on zeros."""
+    it), and none after the run. Before: step 1 took a timeout per sample and trained on zeros."""
     marker_dir = tmp_path / f"dsv4rl-e2e-{uuid.uuid4().hex[:12]}"
     marker_dir.mkdir()
     run = tmp_path / "run"
@@ -98,7 +98,7 @@ def test_a_reward_that_always_hangs_stops_the_first_step_and_leaves_no_process(t
     )
     argv = [sys.executable, "-m", "dsv4rl.cli", "train", "recipe=tiny_arith", f"run.dir={run}",
             "run.progress=false", *port_overrides(), f"reward.fns={fns}", "train.steps=3",
-            *SHORT]  # fmt: skip
+            "algo.prompts_per_step=16", "algo.group_size=4", *SHORT]  # fmt: skip
     console = tmp_path / "console.txt"
     most = 0  # marked processes alive at once, polled while the run goes on
     with console.open("w") as sink:
@@ -115,8 +115,8 @@ def test_a_reward_that_always_hangs_stops_the_first_step_and_leaves_no_process(t
     out = console.read_text()
     assert proc.returncode == 1, out
     named = (
-        f"RewardError: reward function 'hang' ({USER}:spawns): 26 of the 512 samples of step 1 timed out (no "
-        "result within timeout_s=1), more than reward.max_timeout_fraction=0.05 allows (25)"
+        f"RewardError: reward function 'hang' ({USER}:spawns): 4 of the 64 samples of step 1 timed out (no "
+        "result within timeout_s=1), more than reward.max_timeout_fraction=0.05 allows (3)"
     )
     assert f"root cause: trainer-rank0: dsv4rl.reward.results.{named}" in out, out
     crash = json.loads((run / "logs" / "crash-trainer-rank0.json").read_text())
