@@ -1,5 +1,5 @@
-"""Session-wide settings: one tiny-model cache for the whole session, not the user's ~/.cache, and on
-pytest-xdist workers each worker's share of the cores.
+"""Session-wide settings: one tiny-model cache for the whole session, not the user's ~/.cache, and
+OpenMP threads that sleep when they wait.
 
 The end-to-end runs start `dsv4rl` as subprocesses; they inherit the variables, so after the first build
 every run copies the model instead of importing transformers to build it (dsv4rl.model.model_dir)."""
@@ -7,6 +7,15 @@ every run copies the model instead of importing transformers to build it (dsv4rl
 from __future__ import annotations
 
 import os
+
+# Before torch loads its OpenMP runtime, here and in every process a test starts. OpenMP's threads spin
+# while they wait for work; on 2 cores, beside one busy process (another test), a run whose threads spin
+# took 12 times as long (the colocated end-to-end run: 407 s against 33 s alone, 47 s with passive
+# waiting; docs/verification.md). Passive waiting costs a run alone about a tenth, and lets the two
+# workers of `make test` both run end-to-end tests. One thread per process instead (OMP_NUM_THREADS=1 on
+# each worker) made the suite slower and changed the runs' numbers: the tool run no longer learned.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import shutil
 import tempfile
 
@@ -14,16 +23,6 @@ import pytest
 from _pytest.nodes import Node
 
 from dsv4rl.model.model_dir import CACHE_ENV
-
-# Before torch loads its OpenMP runtime (nothing above imports it), here and in every process a test
-# starts (a set OMP_NUM_THREADS wins in dsv4rl's plan): each worker's processes take its share of the
-# cores. OpenMP's threads spin while they wait, so a run with a thread per core beside another busy
-# process slows down many times over (the colocated end-to-end run: 407 s against 33 s alone, beside one
-# busy loop); at one thread each, two 15-step demo runs side by side took 27 s against 35 s one after the
-# other (docs/verification.md).
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-if _WORKERS > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 # On pytest-xdist workers (`make test`, `make test-fast`; --dist loadgroup): a test file is one unit of work,
 # so its module fixtures are built once; files that share a session fixture are one unit
