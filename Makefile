@@ -47,9 +47,10 @@ sglang-contract:
 	$(PY) -m dsv4rl.engine.sglang_contract build/sglang-wheel/sglang-*.whl
 
 # The whole suite, with its 25 slowest tests named at the end (CI's log keeps them), on TEST_WORKERS
-# pytest-xdist workers (a test file per unit of work, the slow files first: tests/conftest.py, which also
-# has OpenMP's threads wait passively, so that two runs share CI's 2 cores without spinning against each
-# other). TEST_WORKERS=0 runs everything in this one process.
+# pytest-xdist workers (a test file per unit of work: tests/conftest.py). Every file with a `slow` test is
+# one unit that a single worker runs in turn: two end-to-end runs at once on CI's 2 cores ran over twice as
+# slow (their OpenMP threads spin), while the single-threaded unit tests fit beside one. TEST_WORKERS=0
+# runs everything in this one process.
 TEST_WORKERS ?= 2
 test:
 	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder

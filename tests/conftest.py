@@ -1,21 +1,11 @@
-"""Session-wide settings: one tiny-model cache for the whole session, not the user's ~/.cache, and
-OpenMP threads that sleep when they wait.
+"""Session-wide settings: one tiny-model cache for the whole session, not the user's ~/.cache.
 
-The end-to-end runs start `dsv4rl` as subprocesses; they inherit the variables, so after the first build
+The end-to-end runs start `dsv4rl` as subprocesses; they inherit the variable, so after the first build
 every run copies the model instead of importing transformers to build it (dsv4rl.model.model_dir)."""
 
 from __future__ import annotations
 
 import os
-
-# Before torch loads its OpenMP runtime, here and in every process a test starts. OpenMP's threads spin
-# while they wait for work; on 2 cores, beside one busy process (another test), a run whose threads spin
-# took 12 times as long (the colocated end-to-end run: 407 s against 33 s alone, 47 s with passive
-# waiting; docs/verification.md). Passive waiting costs a run alone about a tenth, and lets the two
-# workers of `make test` both run end-to-end tests. One thread per process instead (OMP_NUM_THREADS=1 on
-# each worker) made the suite slower and changed the runs' numbers: the tool run no longer learned.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import shutil
 import tempfile
 
@@ -26,13 +16,16 @@ from dsv4rl.model.model_dir import CACHE_ENV
 
 # On pytest-xdist workers (`make test`, `make test-fast`; --dist loadgroup): a test file is one unit of work,
 # so its module fixtures are built once; files that share a session fixture are one unit
-# (SHARED_FIXTURE_GROUPS, the files of SGLang's interpreter). The files with `slow` tests are handed out
-# first (the README's and the end-to-end runs before the other slow ones), so that the longest units do
-# not start last and the many short unit files even out the workers' ends.
+# (SHARED_FIXTURE_GROUPS), and the end-to-end files are handed out first, so that the longest units do not
+# start last. Every file with a `slow` test is one unit, SERIAL: the end-to-end runs each keep one to two
+# cores busy with OpenMP threads that spin while another process wants the cores, so two of them at once
+# on CI's 2 cores ran over twice as slow; one worker runs them one after another while the others take the
+# single-threaded unit tests beside them.
 SHARED_FIXTURE_GROUPS = {
     "tests/e2e/test_train_cpu.py": "trained_arith",  # trained_arith and short_arith (tests/e2e/conftest.py)
     "tests/e2e/test_two_nodes_cpu.py": "trained_arith",
 }
+SERIAL = "slow_serial"
 FIRST = ("tests/docs/", "tests/e2e/")
 
 _made: list[str] = []
@@ -75,7 +68,12 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
     slow_files = {path(item) for item in items if item.get_closest_marker("slow")}
     for item in items:
         file = path(item)
-        group = "sglang_sides" if file in sglang_files else SHARED_FIXTURE_GROUPS.get(file, file)
+        if file in slow_files:
+            group = SERIAL
+        elif file in sglang_files:
+            group = "sglang_sides"
+        else:
+            group = SHARED_FIXTURE_GROUPS.get(file, file)
         item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: (path(item) not in slow_files, not item.nodeid.startswith(FIRST)))
 
