@@ -59,7 +59,7 @@ def tiny_arith(overrides: list[str]) -> Any:
 def step_prompts(cfg: Any) -> list[list[int]]:
     """The token ids of the first step's prompts, as the loop encodes them."""
     from dsv4rl.data.stream import build_prompt_stream
-    from dsv4rl.model.tiny import load_tokenizer
+    from dsv4rl.model.tokenizer import load_tokenizer
     from dsv4rl.rollout.generate import encode_prompt
 
     tokenizer = load_tokenizer(cfg.model)

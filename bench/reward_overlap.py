@@ -46,7 +46,7 @@ def measure_overlap(repeats: int, log_dir: Path, calls: int | None = None) -> di
     from dsv4rl.data.stream import build_prompt_stream
     from dsv4rl.engine_client.client import EngineClient
     from dsv4rl.model.model_dir import materialize_model
-    from dsv4rl.model.tiny import run_tokenizer
+    from dsv4rl.model.tokenizer import run_tokenizer
     from dsv4rl.reward.inputs import RewardInput
     from dsv4rl.reward.rewarder import RewardSet
     from dsv4rl.rollout.generate import generate_samples

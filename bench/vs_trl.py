@@ -53,7 +53,7 @@ def write_setup(cfg: Any, steps: int, workdir: Path) -> Path:
     from dsv4rl.data.stream import build_prompt_stream
     from dsv4rl.model.model_dir import materialize_model
     from dsv4rl.model.native_checkpoint import load_native_model
-    from dsv4rl.model.tiny import load_tokenizer
+    from dsv4rl.model.tokenizer import load_tokenizer
 
     native = materialize_model(cfg.model, str(workdir / "native"))
     hf_dir = workdir / "hf"

@@ -425,7 +425,7 @@ def prompts_command(
     from dsv4rl.config.compose import reward_base_dirs
     from dsv4rl.data.chat_format import PromptRenderer, data_chat_settings
     from dsv4rl.data.prompt_report import prompt_report
-    from dsv4rl.model.tiny import run_tokenizer
+    from dsv4rl.model.tokenizer import run_tokenizer
     from dsv4rl.model.tokenizer_files import has_tokenizer
     from dsv4rl.rollout.multi_turn import build_multi_turn
 

@@ -59,7 +59,8 @@ def build(cfg: schema.Config, root: Path, models: dict) -> None:
     from dsv4rl.eval.data import eval_problems
     from dsv4rl.launcher.plan import build_local_plan
     from dsv4rl.model.model_dir import materialize_model
-    from dsv4rl.model.tiny import checkpoint_wire_format, run_tokenizer
+    from dsv4rl.model.tiny import checkpoint_wire_format
+    from dsv4rl.model.tokenizer import run_tokenizer
     from dsv4rl.reward.graders import get_grader
     from dsv4rl.reward.rewarder import RewardSet
     from dsv4rl.rollout.multi_turn import build_multi_turn

@@ -149,7 +149,7 @@ def test_overrides_values_groups_and_additions() -> None:
 
 
 def test_model_path_override_keeps_the_packaged_tokenizer_choice() -> None:
-    """The checkpoint's tokenizer is used at run time (dsv4rl.model.tiny.run_tokenizer); the packaged one
+    """The checkpoint's tokenizer is used at run time (dsv4rl.model.tokenizer.run_tokenizer); the packaged one
     is what `dsv4rl prompts` and the checks use without a checkpoint."""
     cfg = compose("dapo_math", ["model.path=/models/flash"])
     assert (cfg.model.path, cfg.model.tokenizer) == ("/models/flash", "deepseek_v4")

@@ -9,7 +9,7 @@ from dsv4rl.config.compose import compose
 from dsv4rl.data.chat_format import PromptRenderer, data_chat_settings
 from dsv4rl.data.datasets import problem_source
 from dsv4rl.data.prompt_report import effort_line
-from dsv4rl.model.tiny import run_tokenizer
+from dsv4rl.model.tokenizer import run_tokenizer
 
 # BOS, the user turn, the assistant turn opened in thinking mode: encoding_dsv4's one-turn prompt
 REFERENCE = "<｜begin▁of▁sentence｜><｜User｜>{message}<｜Assistant｜><think>"

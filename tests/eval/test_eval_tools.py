@@ -18,7 +18,7 @@ from dsv4rl.data.arith import tiny_tool_problems
 from dsv4rl.eval.periodic import eval_metrics
 from dsv4rl.eval.run import eval_grader, evaluate_on_engines
 from dsv4rl.eval.view import render_eval
-from dsv4rl.model.tiny import run_tokenizer
+from dsv4rl.model.tokenizer import run_tokenizer
 
 SAMPLES = 4
 # What a single-turn eval report held before tools existed: it must not change (`scored_by`, which says

@@ -18,7 +18,7 @@ from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.eval.data import eval_problems
 from dsv4rl.eval.run import eval_grader, evaluate_on_engines
 from dsv4rl.model.model_dir import materialize_model
-from dsv4rl.model.tiny import run_tokenizer
+from dsv4rl.model.tokenizer import run_tokenizer
 
 SAMPLES = 4
 

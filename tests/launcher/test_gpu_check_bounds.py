@@ -23,7 +23,8 @@ from dsv4rl.config.choices import QuantMode, SyncTransport
 from dsv4rl.config.model_schema import ModelConfig
 from dsv4rl.config.schema import Config
 from dsv4rl.model.native_checkpoint import load_native_model, write_native_checkpoint
-from dsv4rl.model.tiny import build_tiny_model, load_tokenizer
+from dsv4rl.model.tiny import build_tiny_model
+from dsv4rl.model.tokenizer import load_tokenizer
 from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.samples import Sample
 from dsv4rl.sync.weight_sync import SyncStats

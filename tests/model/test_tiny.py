@@ -6,8 +6,8 @@ from transformers import DeepseekV4ForCausalLM
 
 from dsv4rl.config.model_schema import ModelConfig, TinyModelConfig
 from dsv4rl.model.model_dir import materialize_model
-from dsv4rl.model.tiny import load_model, load_tokenizer, tiny_hf_config
-from dsv4rl.model.tokenizer import build_char_tokenizer
+from dsv4rl.model.tiny import load_model, tiny_hf_config
+from dsv4rl.model.tokenizer import build_char_tokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,13 @@ import pytest
 from dsv4rl.checks.machine import check_chat_tokenizer_files
 from dsv4rl.config.compose import compose
 from dsv4rl.config.model_schema import ModelConfig
-from dsv4rl.model.tiny import load_tokenizer, run_tokenizer
-from dsv4rl.model.tokenizer import CHAT_TOKENS, build_char_tokenizer, deepseek_v4_tokenizer
+from dsv4rl.model.tokenizer import (
+    CHAT_TOKENS,
+    build_char_tokenizer,
+    deepseek_v4_tokenizer,
+    load_tokenizer,
+    run_tokenizer,
+)
 from dsv4rl.model.tokenizer_files import tokenizer_dir_problems
 
 

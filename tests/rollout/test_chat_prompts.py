@@ -19,7 +19,7 @@ from dsv4rl.data.chat_format import ChatSettings, PromptRenderer
 from dsv4rl.data.problems import Problem
 from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.model.model_dir import materialize_model
-from dsv4rl.model.tiny import load_tokenizer
+from dsv4rl.model.tokenizer import load_tokenizer
 from dsv4rl.rollout.generate import encode_prompts, generate_samples, prompt_token_ids
 
 PROBLEMS = [Problem("1+2=", "3", "1+2"), Problem("3+3=", "6", "3+3")]

@@ -18,7 +18,7 @@ from dsv4rl.data.problems import Problem
 from dsv4rl.engine_client.client import EngineClient
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.replay import NO_CHOICE
-from dsv4rl.model.tiny import load_tokenizer
+from dsv4rl.model.tokenizer import load_tokenizer
 from dsv4rl.rollout.choices import ChoiceRequest, attach_choices
 from dsv4rl.rollout.generate import generate_samples
 from dsv4rl.samples import Sample

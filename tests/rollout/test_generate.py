@@ -17,7 +17,7 @@ from dsv4rl.data.problems import Problem
 from dsv4rl.engine_client.client import EngineClient, EngineError
 from dsv4rl.engine_client.roster import EngineRoster
 from dsv4rl.model.model_dir import materialize_model
-from dsv4rl.model.tiny import load_tokenizer
+from dsv4rl.model.tokenizer import load_tokenizer
 from dsv4rl.rollout.generate import (
     encode_prompt,
     generate_samples,

@@ -25,7 +25,8 @@ from dsv4rl.config.compose import compose
 from dsv4rl.config.sglang_choices import PauseMode
 from dsv4rl.data.problems import Problem
 from dsv4rl.engine_client.client import EngineClient
-from dsv4rl.model.tiny import load_model, load_tokenizer
+from dsv4rl.model.tiny import load_model
+from dsv4rl.model.tokenizer import load_tokenizer
 from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.rollout.choices import ChoiceRequest
 from dsv4rl.rollout.generate import generate_samples

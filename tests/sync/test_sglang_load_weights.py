@@ -27,7 +27,8 @@ from dsv4rl.config.compose import compose
 from dsv4rl.config.schema import QuantConfig
 from dsv4rl.model.model_dir import materialize_model
 from dsv4rl.model.native_checkpoint import checkpoint_format, read_config, read_tensors
-from dsv4rl.model.tiny import load_model, load_tokenizer
+from dsv4rl.model.tiny import load_model
+from dsv4rl.model.tokenizer import load_tokenizer
 from dsv4rl.quant import sglang_moe
 from dsv4rl.quant.formats import dequantize
 from dsv4rl.sync.served_format import served_format, wire_format_for

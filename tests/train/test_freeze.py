@@ -19,7 +19,8 @@ from dsv4rl.config.choices import FreezeGroup
 from dsv4rl.config.compose import ConfigError, compose
 from dsv4rl.config.schema import Config
 from dsv4rl.model.freeze import FreezeError, entry_problems, parse_entries
-from dsv4rl.model.tiny import build_tiny_model, load_tokenizer
+from dsv4rl.model.tiny import build_tiny_model
+from dsv4rl.model.tokenizer import load_tokenizer
 from dsv4rl.train.freeze import FrozenTensorChanged, fingerprint, freeze
 from dsv4rl.train.weight_decay import param_groups
 

@@ -20,7 +20,7 @@ from dsv4rl.eval.run import eval_grader, evaluate_on_engines, write_report
 from dsv4rl.eval.weights import scored_weights
 from dsv4rl.faults import heartbeat
 from dsv4rl.faults.child import child_process
-from dsv4rl.model.tiny import run_tokenizer
+from dsv4rl.model.tokenizer import run_tokenizer
 from dsv4rl.rollout.generate import rollout_seed
 
 log = logging.getLogger("dsv4rl.eval")

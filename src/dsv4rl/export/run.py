@@ -103,7 +103,7 @@ def copy_tokenizer(cfg: Config, model_dir: Path, out: Path) -> list[str]:
                 shutil.copy2(path, out / path.name)
                 copied.append(path.name)
     if not any(name.startswith("tokenizer") for name in copied):  # a tokenizer dsv4rl builds or ships
-        from dsv4rl.model.tiny import load_tokenizer
+        from dsv4rl.model.tokenizer import load_tokenizer
 
         load_tokenizer(cfg.model).save_pretrained(str(out))
         copied += sorted(p.name for p in out.glob("tokenizer*") if p.name not in copied)

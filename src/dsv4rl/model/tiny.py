@@ -6,19 +6,17 @@ score-routed MoE; mHC with 4 streams) so the whole loop exercises the real archi
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedTokenizerFast
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.utils import logging as transformers_logging
 
 from dsv4rl.config.choices import Dtype, ExpertScaleDtype
 from dsv4rl.config.model_schema import LAYER_TYPES, MLP_TYPES, ModelConfig, TinyModelConfig
 from dsv4rl.config.schema import QuantConfig
 from dsv4rl.model.native_checkpoint import TORCH_DTYPES, load_native_model, write_native_checkpoint
-from dsv4rl.model.tokenizer import build_char_tokenizer, deepseek_v4_tokenizer, special_token_disagreements
-from dsv4rl.model.tokenizer_files import ARITH_CHARS, DEEPSEEK_V4, has_tokenizer
+from dsv4rl.model.tokenizer import load_tokenizer
 from dsv4rl.model.wire_format import WireFormat
 
 
@@ -92,37 +90,6 @@ def build_tiny_model(model_config: ModelConfig, vocab_size: int) -> DeepseekV4Fo
         model = DeepseekV4ForCausalLM(config)
     randomize_hash_routing(model, generator)
     return model.to(torch.float32).eval()
-
-
-def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerFast:
-    """`model.tokenizer`: the character tokenizer, the packaged DeepSeek-V4 one, or a directory's."""
-    if model_config.tokenizer == ARITH_CHARS:
-        return build_char_tokenizer()
-    if model_config.tokenizer == DEEPSEEK_V4:
-        return deepseek_v4_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_config.tokenizer)
-
-
-def run_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerFast:
-    """The tokenizer a run encodes and decodes with: the model directory's own where `model.path` has one
-    (with `model.tokenizer=deepseek_v4`, checked to agree with the packaged one on the special tokens),
-    else `model.tokenizer`'s."""
-    path = model_config.path
-    if path is None or not has_tokenizer(path):
-        return load_tokenizer(model_config)
-    own = load_tokenizer(replace(model_config, tokenizer=path))
-    if model_config.tokenizer == DEEPSEEK_V4:
-        disagree = special_token_disagreements(own, deepseek_v4_tokenizer())
-        if disagree:
-            raise ValueError(
-                f"the tokenizer in model.path {path!r} and the packaged DeepSeek-V4 tokenizer "
-                f"(model.tokenizer=deepseek_v4) disagree on special tokens: {'; '.join(disagree)}. The "
-                "directory's tokenizer is the one the engines use: set model.tokenizer to that directory, "
-                "or point model.path at a DeepSeek-V4 checkpoint"
-            )
-    return own
 
 
 def load_model(model_config: ModelConfig, vocab_size: int | None = None) -> DeepseekV4ForCausalLM:

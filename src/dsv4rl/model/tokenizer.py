@@ -11,10 +11,19 @@ Ids 0 and 1 are <bos> and <eos>, as in DeepSeek-V4's own vocabulary; every other
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from dsv4rl.model.tokenizer_files import CHAT_TOKENS, deepseek_v4_tokenizer_dir
+from dsv4rl.config.model_schema import ModelConfig
+from dsv4rl.model.tokenizer_files import (
+    ARITH_CHARS,
+    CHAT_TOKENS,
+    DEEPSEEK_V4,
+    deepseek_v4_tokenizer_dir,
+    has_tokenizer,
+)
 
 BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, UNK]
@@ -64,3 +73,34 @@ def special_token_disagreements(ours: PreTrainedTokenizerFast, theirs: PreTraine
         if a_id != b_id or a_id == ours.unk_token_id:
             out.append(f"{token}: id {a_id} vs {b_id}")
     return out
+
+
+def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerFast:
+    """`model.tokenizer`: the character tokenizer, the packaged DeepSeek-V4 one, or a directory's."""
+    if model_config.tokenizer == ARITH_CHARS:
+        return build_char_tokenizer()
+    if model_config.tokenizer == DEEPSEEK_V4:
+        return deepseek_v4_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_config.tokenizer)
+
+
+def run_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerFast:
+    """The tokenizer a run encodes and decodes with: the model directory's own where `model.path` has one
+    (with `model.tokenizer=deepseek_v4`, checked to agree with the packaged one on the special tokens),
+    else `model.tokenizer`'s."""
+    path = model_config.path
+    if path is None or not has_tokenizer(path):
+        return load_tokenizer(model_config)
+    own = load_tokenizer(replace(model_config, tokenizer=path))
+    if model_config.tokenizer == DEEPSEEK_V4:
+        disagree = special_token_disagreements(own, deepseek_v4_tokenizer())
+        if disagree:
+            raise ValueError(
+                f"the tokenizer in model.path {path!r} and the packaged DeepSeek-V4 tokenizer "
+                f"(model.tokenizer=deepseek_v4) disagree on special tokens: {'; '.join(disagree)}. The "
+                "directory's tokenizer is the one the engines use: set model.tokenizer to that directory, "
+                "or point model.path at a DeepSeek-V4 checkpoint"
+            )
+    return own

@@ -37,7 +37,7 @@ from dsv4rl.eval.periodic import PeriodicEval
 from dsv4rl.faults.child import child_process
 from dsv4rl.faults.stop import StopSignals
 from dsv4rl.model.model_dir import source_model_dir
-from dsv4rl.model.tiny import run_tokenizer
+from dsv4rl.model.tokenizer import run_tokenizer
 from dsv4rl.model.wire_format import WireFormat
 from dsv4rl.quant.sglang_env import engine_env
 from dsv4rl.quant.sglang_moe import recipe_moe_path, restart_reason
