@@ -99,4 +99,11 @@ class WandbTracker:
         self.run.summary["last_step"] = step
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # `finish` returns once the run is marked done, while wandb-core may still be writing the last
+        # records (the summary, the outcome) to the offline `.wandb` file; seen on a busy machine: the
+        # file read right after close lacked the outcome. Tearing the service down waits for every stream
+        # to be written; one run per process is all dsv4rl opens, and a later `wandb.init` starts anew.
+        wandb.teardown()
