@@ -1,31 +1,41 @@
-"""Session-wide settings: one tiny-model cache for the whole session, not the user's ~/.cache.
+"""Session-wide settings: one tiny-model cache for the whole session, not the user's ~/.cache, and
+OpenMP threads that sleep when they wait.
 
-The end-to-end runs start `dsv4rl` as subprocesses; they inherit the variable, so after the first build
+The end-to-end runs start `dsv4rl` as subprocesses; they inherit the variables, so after the first build
 every run copies the model instead of importing transformers to build it (dsv4rl.model.model_dir)."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
-import pytest
-from _pytest.nodes import Node
+# Before torch loads its OpenMP runtime, here and in every process a test starts. OpenMP's threads spin
+# while they wait for work; on 2 cores, beside one busy process (the other worker's test), a run whose
+# threads spin took 12 times as long (the colocated end-to-end run: 407 s against 33 s alone, 47 s with
+# passive waiting; docs/verification.md). Passive waiting costs a run alone a few percent.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from dsv4rl.model.model_dir import CACHE_ENV
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+import pytest  # noqa: E402
+from _pytest.nodes import Node  # noqa: E402
+
+from dsv4rl.model.model_dir import CACHE_ENV  # noqa: E402
 
 # On pytest-xdist workers (`make test`, `make test-fast`; --dist loadgroup): a test file is one unit of work,
 # so its module fixtures are built once; files that share a session fixture are one unit
 # (SHARED_FIXTURE_GROUPS), and the end-to-end files are handed out first, so that the longest units do not
-# start last. Every file with a `slow` test is one unit, SERIAL: the end-to-end runs each keep one to two
-# cores busy with OpenMP threads that spin while another process wants the cores, so two of them at once
-# on CI's 2 cores ran over twice as slow; one worker runs them one after another while the others take the
-# single-threaded unit tests beside them.
+# start last. Every file with a `slow` test is one unit, SERIAL: each end-to-end run keeps both of CI's 2
+# cores busy, and two side by side took longer than one after the other (docs/verification.md); one worker
+# runs them in turn while the other takes the single-threaded unit tests beside them. The README's test
+# (SERIAL_BESIDE) is slow but spends most of its time importing and encoding on one core between short
+# runs: it is a unit of its own, handed out second, so the other worker runs it beside the serial unit.
 SHARED_FIXTURE_GROUPS = {
     "tests/e2e/test_train_cpu.py": "trained_arith",  # trained_arith and short_arith (tests/e2e/conftest.py)
     "tests/e2e/test_two_nodes_cpu.py": "trained_arith",
 }
 SERIAL = "slow_serial"
+SERIAL_BESIDE = ("tests/docs/test_readme.py",)
 FIRST = ("tests/docs/", "tests/e2e/")
 
 _made: list[str] = []
@@ -68,14 +78,22 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
     slow_files = {path(item) for item in items if item.get_closest_marker("slow")}
     for item in items:
         file = path(item)
-        if file in slow_files:
+        if file in SERIAL_BESIDE:
+            group = file
+        elif file in slow_files:
             group = SERIAL
         elif file in sglang_files:
             group = "sglang_sides"
         else:
             group = SHARED_FIXTURE_GROUPS.get(file, file)
         item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: (path(item) not in slow_files, not item.nodeid.startswith(FIRST)))
+    items.sort(
+        key=lambda item: (
+            path(item) not in slow_files,
+            path(item) in SERIAL_BESIDE,
+            not item.nodeid.startswith(FIRST),
+        )
+    )
 
 
 def pytest_unconfigure(config) -> None:
