@@ -27,15 +27,12 @@ from dsv4rl.model.model_dir import CACHE_ENV  # noqa: E402
 # (SHARED_FIXTURE_GROUPS), and the end-to-end files are handed out first, so that the longest units do not
 # start last. Every file with a `slow` test is one unit, SERIAL: each end-to-end run keeps both of CI's 2
 # cores busy, and two side by side took longer than one after the other (docs/verification.md); one worker
-# runs them in turn while the other takes the single-threaded unit tests beside them. The README's test
-# (SERIAL_BESIDE) is slow but spends most of its time importing and encoding on one core between short
-# runs: it is a unit of its own, handed out second, so the other worker runs it beside the serial unit.
+# runs them in turn while the other takes the single-threaded unit tests beside them.
 SHARED_FIXTURE_GROUPS = {
     "tests/e2e/test_train_cpu.py": "trained_arith",  # trained_arith and short_arith (tests/e2e/conftest.py)
     "tests/e2e/test_two_nodes_cpu.py": "trained_arith",
 }
 SERIAL = "slow_serial"
-SERIAL_BESIDE = ("tests/docs/test_readme.py",)
 FIRST = ("tests/docs/", "tests/e2e/")
 
 _made: list[str] = []
@@ -75,25 +72,30 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
 
     # SGLang's interpreter workers (sglang_sides) start once per session and process
     sglang_files = {path(item) for item in items if "sglang_sides" in item.fixturenames}
-    slow_files = {path(item) for item in items if item.get_closest_marker("slow")}
+    # A file is serial only where its slow tests run: under `-m "not slow"` (make test-fast) its other
+    # tests are spread over the workers like any unit test's.
+    slow_files = {path(item) for item in items if item.get_closest_marker("slow") and _selected(config, item)}
     for item in items:
         file = path(item)
-        if file in SERIAL_BESIDE:
-            group = file
-        elif file in slow_files:
+        if file in slow_files:
             group = SERIAL
         elif file in sglang_files:
             group = "sglang_sides"
         else:
             group = SHARED_FIXTURE_GROUPS.get(file, file)
         item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(
-        key=lambda item: (
-            path(item) not in slow_files,
-            path(item) in SERIAL_BESIDE,
-            not item.nodeid.startswith(FIRST),
-        )
-    )
+    items.sort(key=lambda item: (path(item) not in slow_files, not item.nodeid.startswith(FIRST)))
+
+
+def _selected(config, item: pytest.Item) -> bool:
+    """Whether `-m` keeps `item` (pytest deselects after this hook, by the same expression)."""
+    from _pytest.mark.expression import Expression
+
+    expression = config.getoption("markexpr", default="")
+    if not expression:
+        return True
+    names = {mark.name for mark in item.iter_markers()}
+    return Expression.compile(expression).evaluate(lambda name, **_: name in names)
 
 
 def pytest_unconfigure(config) -> None:
