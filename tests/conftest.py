@@ -1,33 +1,27 @@
-"""Session-wide settings: one tiny-model cache for the whole session, not the user's ~/.cache, and
-OpenMP threads that sleep when they wait.
+"""Session-wide settings: one tiny-model cache for the whole session, not the user's ~/.cache.
 
-The end-to-end runs start `dsv4rl` as subprocesses; they inherit the variables, so after the first build
+The end-to-end runs start `dsv4rl` as subprocesses; they inherit the variable, so after the first build
 every run copies the model instead of importing transformers to build it (dsv4rl.model.model_dir)."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
-# Before torch loads its OpenMP runtime, here and in every process a test starts. OpenMP's threads spin
-# while they wait for work; on 2 cores, beside one busy process (the other worker's test), a run whose
-# threads spin took 12 times as long (the colocated end-to-end run: 407 s against 33 s alone, 47 s with
-# passive waiting; docs/verification.md). Passive waiting costs a run alone a few percent.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import pytest
+from _pytest.nodes import Node
 
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-
-import pytest  # noqa: E402
-from _pytest.nodes import Node  # noqa: E402
-
-from dsv4rl.model.model_dir import CACHE_ENV  # noqa: E402
+from dsv4rl.model.model_dir import CACHE_ENV
 
 # On pytest-xdist workers (`make test`, `make test-fast`; --dist loadgroup): a test file is one unit of work,
 # so its module fixtures are built once; files that share a session fixture are one unit
 # (SHARED_FIXTURE_GROUPS), and the end-to-end files are handed out first, so that the longest units do not
-# start last. Every file with a `slow` test is one unit, SERIAL: each end-to-end run keeps both of CI's 2
-# cores busy, and two side by side took longer than one after the other (docs/verification.md); one worker
-# runs them in turn while the other takes the single-threaded unit tests beside them.
+# start last. Every file with a `slow` test is one unit, SERIAL: the end-to-end runs each keep one to two
+# cores busy with OpenMP threads that spin while another process wants the cores, so two of them at once
+# on CI's 2 cores ran over twice as slow; one worker runs them one after another while the others take the
+# single-threaded unit tests beside them. (Passive waiting, OMP_WAIT_POLICY=PASSIVE, made the whole run
+# slower: docs/verification.md.)
 SHARED_FIXTURE_GROUPS = {
     "tests/e2e/test_train_cpu.py": "trained_arith",  # trained_arith and short_arith (tests/e2e/conftest.py)
     "tests/e2e/test_two_nodes_cpu.py": "trained_arith",
