@@ -68,7 +68,8 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
     sglang_files = {path(item) for item in items if "sglang_sides" in item.fixturenames}
     # A file is serial only where its slow tests run: under `-m "not slow"` (make test-fast) its other
     # tests are spread over the workers like any unit test's.
-    slow_files = {path(item) for item in items if item.get_closest_marker("slow") and _selected(config, item)}
+    selected = _mark_filter(config)
+    slow_files = {path(item) for item in items if item.get_closest_marker("slow") and selected(item)}
     for item in items:
         file = path(item)
         if file in slow_files:
@@ -81,15 +82,15 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: (path(item) not in slow_files, not item.nodeid.startswith(FIRST)))
 
 
-def _selected(config, item: pytest.Item) -> bool:
-    """Whether `-m` keeps `item` (pytest deselects after this hook, by the same expression)."""
+def _mark_filter(config):
+    """Whether `-m` keeps an item (pytest deselects after this hook, by the same expression)."""
     from _pytest.mark.expression import Expression
 
     expression = config.getoption("markexpr", default="")
     if not expression:
-        return True
-    names = {mark.name for mark in item.iter_markers()}
-    return Expression.compile(expression).evaluate(lambda name, **_: name in names)
+        return lambda item: True
+    compiled = Expression.compile(expression)
+    return lambda item: compiled.evaluate(lambda name, **_: item.get_closest_marker(name) is not None)
 
 
 def pytest_unconfigure(config) -> None:
