@@ -84,6 +84,20 @@ def transformer_engine_problem(cfg: Config) -> str | None:
     return None
 
 
+# The device nodes a GPU runtime opens (NVIDIA's driver, ROCm's kernel driver): where neither exists torch
+# sees no GPU, and a machine that only plans a GPU recipe is spared importing torch (seconds) to learn it.
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
+
+
+def gpu_visible() -> bool:
+    """Whether torch sees a GPU here (CUDA or ROCm), importing torch only where a driver's node exists."""
+    if not any(Path(node).exists() for node in GPU_DEVICE_NODES):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def check_transformer_engine(cfg: Config, add: Add) -> None:
     """On a node that trains with megatron's distributed optimizer (GPUs), what it needs must import.
     Not on a CPU machine: there the megatron backend steps with torch's AdamW and never builds it."""
@@ -92,9 +106,7 @@ def check_transformer_engine(cfg: Config, add: Add) -> None:
         return
     if c.node_rank >= t.nnodes:
         return  # a rollout-only node (trainer nodes come first) starts no trainer
-    import torch  # only here: a GPU recipe on a training node
-
-    if not torch.cuda.is_available():
+    if not gpu_visible():
         return
     problem = transformer_engine_problem(cfg)
     if problem is not None:

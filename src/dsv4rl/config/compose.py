@@ -10,6 +10,7 @@ process starts. Cross-field rules live in `dsv4rl.checks.validate`.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 import types
@@ -138,7 +139,9 @@ def compose(recipe: str, overrides: list[str] | None = None, recipes_dir: Path |
     if recipe_file.parent != root:  # a recipe of its own: the groups and base recipes come from `root`
         overrides = [f"hydra.searchpath=[file://{root}]", *overrides]
 
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+    store = ConfigStore.instance()
+    if f"{SCHEMA_NAME}.yaml" not in store.repo:  # stored once a process: the store converts the schema
+        store.store(name=SCHEMA_NAME, node=Config)
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     _RECIPE_DIR[0] = str(recipe_file.parent)
@@ -152,11 +155,18 @@ def compose(recipe: str, overrides: list[str] | None = None, recipes_dir: Path |
         # Re-merge a plain copy: Hydra opens the struct flag for `+key=value`, so keys it added are only
         # caught when merged into a fresh structured Config.
         plain = OmegaConf.create(OmegaConf.to_container(composed, resolve=False))
-        merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
+        merged = OmegaConf.merge(_schema_template(), plain)  # merge copies the template
         merged.recipe = recipe
         return OmegaConf.to_object(merged)  # type: ignore[return-value]  # resolves interpolations
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc, recipe, groups, from_hydra=False)) from None
+
+
+@functools.cache
+def _schema_template() -> DictConfig:
+    """The structured schema, built once a process (its dataclass introspection costs a third of a
+    composition); `OmegaConf.merge` copies it, so every composition starts from a clean one."""
+    return OmegaConf.structured(Config)
 
 
 # `${recipe_dir:}` in a recipe: the directory of the recipe file being composed (an example recipe names its
