@@ -74,7 +74,10 @@ class Sample:
     answer: str = ""
     reward: float = 0.0
     advantage: float = 0.0
-    weight_version: str = ""
+    weight_version: str = ""  # the version that sampled its first token (its head version)
+    # The version that sampled each response token ("" on tokens the template inserted): a response continued
+    # across a weight update holds several (dsv4rl.rollout.versions).
+    versions: list[str] = field(default_factory=list)
     excluded: bool = False  # no reward function scored it: no loss on it (TrainBatch masks it out)
     # The engine's choices (algo.routing_replay / indexer_replay), one row per forwarded position (prompt +
     # response - 1 rows), int32: routed experts [rows, layers * top_k], indexer top-k [rows, CSA layers *

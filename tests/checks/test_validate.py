@@ -291,6 +291,23 @@ def test_async_rollout_needs_a_staleness_correction_and_its_own_devices(tiny: Co
     assert_problem(tiny, "parallel.colocate=true")
 
 
+def test_max_staleness_is_a_bound_of_0_or_1_for_now(tiny: Config) -> None:
+    tiny.algo.max_staleness = 1  # the same as async_rollout=true: a correction and devices of its own
+    assert_problem(
+        tiny, "algo.max_staleness=1 trains on samples up to 1 weight version(s) old", "algo.tis.enabled=true"
+    )
+    tiny.algo.tis.enabled = True
+    validate(tiny, check_paths=False)
+    tiny.algo.max_staleness = 2
+    assert_problem(tiny, "algo.max_staleness=2: fully asynchronous rollouts", "not built yet")
+    tiny.algo.max_staleness = -1
+    assert_problem(tiny, "algo.max_staleness must be >= 0")
+    tiny.algo.max_staleness, tiny.algo.async_rollout = 0, True
+    assert_problem(tiny, "algo.max_staleness=0 allows none")
+    tiny.algo.max_staleness = None
+    validate(tiny, check_paths=False)
+
+
 def test_tis_clip_positive(tiny: Config) -> None:
     tiny.algo.tis.clip = 0.0
     assert_problem(tiny, "algo.tis.clip must be > 0")

@@ -126,8 +126,8 @@ def test_released_weight_format_with_async_rollouts_learns(tmp_path: Path) -> No
     assert all(line["verify_checksum_tensors"] == 252 for line in verified)  # + scales
     stored = json.loads((run_dir / "model" / "config.json").read_text())["quantization_config"]
     assert stored["weight_block_size"] == [128, 128] and stored["scale_fmt"] == "ue8m0"
-    assert metrics[0]["staleness_mean"] == 0  # the first batch comes from the starting weights
-    assert all(line["staleness_mean"] == line["staleness_max"] == 1 for line in metrics[1:])
+    assert metrics[0]["staleness/mean"] == 0  # the first batch comes from the starting weights
+    assert all(line["staleness/mean"] == line["staleness/max"] == 1 for line in metrics[1:])
     overlapped = [line["async_overlap_s"] for line in metrics[:-1]]
     assert all(seconds > 0 for seconds in overlapped)  # the next rollout ran while each step trained
 

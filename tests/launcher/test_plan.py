@@ -79,7 +79,9 @@ def test_env_merges_comm_preset_and_splits_cpu_threads(monkeypatch):
     assert {s.name: s.env["OMP_NUM_THREADS"] for s in specs} == {"engine-0": "8", "trainer": "4"}
     cfg.algo.async_rollout = True  # engines and trainer work at once: 8 cores / (1 engine + 2 ranks)
     assert {s.env["OMP_NUM_THREADS"] for s in build_local_plan(cfg, RUN, base_env={})} == {"2"}
-    cfg.algo.async_rollout = False
+    cfg.algo.async_rollout, cfg.algo.max_staleness = False, 1  # the same loop by its bound
+    assert {s.env["OMP_NUM_THREADS"] for s in build_local_plan(cfg, RUN, base_env={})} == {"2"}
+    cfg.algo.max_staleness = None
     cfg.comm.env = {"OMP_NUM_THREADS": "3"}
     assert {s.env["OMP_NUM_THREADS"] for s in build_local_plan(cfg, RUN, base_env={})} == {"3"}
     cfg.comm.env = {}
@@ -440,6 +442,26 @@ def test_slurm_header_and_algorithm_come_from_the_recipe():
         "#SBATCH --time=48:00:00",
     ]
     assert cluster_plan(compose("tiny_arith"), [0])["slurm"] is None
+
+
+def test_plan_shows_the_staleness_bound_and_the_batches_it_holds():
+    from rich.console import Console
+
+    from dsv4rl.config.compose import compose
+    from dsv4rl.launcher.plan_view import cluster_plan, render_plan
+
+    def shown(overrides: list[str]) -> tuple[dict, str]:
+        plan = cluster_plan(compose("tiny_arith", overrides), [0])
+        console = Console(record=True, width=400)
+        render_plan(plan, console)
+        return plan["rollout"], console.export_text()
+
+    rollout, text = shown([])
+    assert (rollout["max_staleness"], rollout["batch_samples"]) == (0, 512)
+    assert "loop: synchronous (algo.max_staleness=0)" in text
+    rollout, text = shown(["algo.async_rollout=true", "algo.tis.enabled=true"])
+    assert rollout["max_staleness"] == 1
+    assert "1 step(s) off-policy (algo.max_staleness=1)" in text and "1 batch(es) of 512 samples" in text
 
 
 # ------------------------------------------------------------------------------------------- MoE path, dtype

@@ -22,7 +22,17 @@ runner = CliRunner()
 def write_step(run_dir: Path, step: int) -> list[Sample]:
     samples = [
         Sample(
-            0, [0, 5], [7], [-0.5], "7", "stop", answer="7", reward=1.0, advantage=0.9, weight_version="3"
+            0,
+            [0, 5],
+            [7],
+            [-0.5],
+            "7",
+            "stop",
+            answer="7",
+            reward=1.0,
+            advantage=0.9,
+            weight_version="3",
+            versions=["3"],
         ),
         Sample(
             0, [0, 5], [8, 9, 1], [-0.1, -0.2, -0.3], "8x", "length", answer="7", reward=0.0, advantage=-0.9
@@ -57,6 +67,7 @@ def test_records_hold_every_field_and_read_back(tmp_path: Path) -> None:
         [-0.5],
         "3",
     )
+    assert first["versions"] == [["3", 0, 1]]
     assert first["rewards"]["judge"] == {
         "score": None,
         "status": "timeout",

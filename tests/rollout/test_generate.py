@@ -77,6 +77,8 @@ def test_samples_are_prompt_major_with_one_logprob_per_token(engine) -> None:
         assert len(sample.rollout_logprobs) == len(sample.response_ids)
         assert all(logprob <= 0.0 for logprob in sample.rollout_logprobs)
         assert sample.finish_reason in ("stop", "length")
+        # the reference engine's spans: every token sampled by the version it was started with
+        assert sample.versions == [sample.weight_version] * len(sample.response_ids) and sample.weight_version
 
 
 def test_a_seed_fixes_the_samples_however_many_engines(engine) -> None:

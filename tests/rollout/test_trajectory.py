@@ -175,6 +175,29 @@ def run_one(runner, engine=None) -> tuple[Sample, ScriptedEngine]:
 # --- a trajectory: ids, mask, log-probs ---------------------------------------------------------------------
 
 
+class UpdatedMidAnswer(ScriptedEngine):
+    """The first turn sampled by version "2"; the second continued across an update: its first token by
+    "2", the rest by "3" (the spans SGLang returns after an in-place pause)."""
+
+    async def generate(self, input_ids, sampling_params, return_logprob=False, **asks):
+        outputs = await super().generate(input_ids, sampling_params, return_logprob, **asks)
+        for output in outputs:
+            n, meta = len(output["output_ids"]), output["meta_info"]
+            first = self.requests == 1
+            meta["weight_versions"] = (
+                [{"version": "2", "start": 0, "end": n}]
+                if first
+                else [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": n}]
+            )
+        return outputs
+
+
+def test_each_token_keeps_the_version_that_sampled_it():
+    sample, _ = run_one(make_runner(), UpdatedMidAnswer())
+    assert sample.versions == ["2"] * L + [""] * R + ["2", "3"]  # inserted tokens: no version
+    assert sample.weight_version == "2"  # its head: the oldest policy it came from
+
+
 def test_call_result_answer_tokens_mask_and_logprobs():
     tool = LookupLike()
     sample, engine = run_one(make_runner([tool]))

@@ -1,5 +1,5 @@
 """RolloutAhead: the next step's batch generated on a thread of its own, handed over once, kept for a
-checkpoint; and the staleness and overlap the loop reports."""
+checkpoint; and the overlap the loop reports."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv4rl.train.batch import TrainBatch
-from dsv4rl.train.rollout_ahead import Rollout, RolloutAhead, overlap_seconds, staleness
+from dsv4rl.train.rollout_ahead import Rollout, RolloutAhead, overlap_seconds
 
 
 def batch(step: int) -> TrainBatch:
@@ -67,10 +67,8 @@ def test_errors_of_the_rollout_reach_the_loop() -> None:
     ahead.close(wait=False)
 
 
-def test_overlap_and_staleness() -> None:
+def test_overlap() -> None:
     rollout = Rollout(3, batch(3), {}, started=10.0, finished=14.0)
     assert overlap_seconds(rollout, 11.0, 13.0) == 2.0  # inside the training
     assert overlap_seconds(rollout, 12.0, 20.0) == 2.0
     assert overlap_seconds(rollout, 15.0, 16.0) == 0.0
-    assert staleness(["4", "4", "3"], 4) == {"staleness_mean": pytest.approx(1 / 3), "staleness_max": 1.0}
-    assert staleness(["default"], 0) == {}  # an engine's initial version is not a step

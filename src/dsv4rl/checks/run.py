@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from dsv4rl.algo.staleness import staleness_bound
 from dsv4rl.checks.problems import Add
 from dsv4rl.config.choices import (
     EvalScoredBy,
@@ -60,14 +61,30 @@ def check_algo(cfg: Config, add: Add) -> None:
         add(f"algo.prompts_per_step must be >= 1 (got {a.prompts_per_step})")
     if a.updates_per_step < 1:
         add(f"algo.updates_per_step must be >= 1 (got {a.updates_per_step})")
-    if a.async_rollout and not (a.tis.enabled or a.mis.enabled):
+    bound = staleness_bound(a)
+    off_policy = "algo.async_rollout=true" if a.max_staleness is None else f"algo.max_staleness={bound}"
+    if a.max_staleness is not None and a.max_staleness < 0:
+        add(f"algo.max_staleness must be >= 0 (got {a.max_staleness}): 0 trains on-policy")
+    elif a.max_staleness is not None and a.max_staleness >= 2:
         add(
-            "algo.async_rollout=true trains on samples one weight version old: turn on the correction for "
+            f"algo.max_staleness={a.max_staleness}: fully asynchronous rollouts (2 or more versions behind) "
+            "are not built yet; use algo.max_staleness=1 (one step off-policy, as algo.async_rollout=true) "
+            "or 0 (synchronous)"
+        )
+    if a.async_rollout and a.max_staleness == 0:
+        add(
+            "algo.async_rollout=true generates each batch one weight version behind, but "
+            "algo.max_staleness=0 allows none: drop one of them (algo.max_staleness=1 is the same as "
+            "algo.async_rollout=true)"
+        )
+    if bound >= 1 and not (a.tis.enabled or a.mis.enabled):
+        add(
+            f"{off_policy} trains on samples up to {bound} weight version(s) old: turn on the correction for "
             "it, algo.tis.enabled=true (or algo.mis.enabled=true)"
         )
-    if a.async_rollout and cfg.parallel.colocate:
+    if bound >= 1 and cfg.parallel.colocate:
         add(
-            "algo.async_rollout=true needs the engines generating while the trainer trains, but "
+            f"{off_policy} needs the engines generating while the trainer trains, but "
             "parallel.colocate=true gives the devices to one at a time: turn one of them off"
         )
     if not 0.0 < a.eps_clip_low < 1.0:

@@ -169,6 +169,9 @@ class AlgoConfig:
     updates_per_step: int = 1  # optimizer steps (mini-batches) per rollout batch
     # One step off-policy: step k+1's rollout runs on the engines while the trainer trains on step k's batch.
     async_rollout: bool = False
+    # How many weight versions behind the trained policy a sample may be (counted from its first token):
+    # 0 synchronous, 1 one step off-policy (what async_rollout=true means); unset, async_rollout decides.
+    max_staleness: int | None = None
     # Replay the engine's discrete choices in training (docs/sglang.md, "Routing and indexer replay"): the
     # rollout's experts in score-routed MoE layers (weights still the trainer's scores at those experts),
     # and the rollout's CSA indexer top-k. The engines return them (--enable-return-routed-experts /

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsv4rl.algo.staleness import staleness_bound
 from dsv4rl.config.choices import EngineNumerics, ProcessRole, RolloutEngineKind, SyncTransport, Task
 from dsv4rl.config.schema import Config
 from dsv4rl.engine_client.engine_keys import engine_keys_file, engines_need_keys
@@ -160,7 +161,7 @@ def _cpu_threads(
         pt = cfg.parallel.train
         engines, trainer_ranks = cfg.parallel.rollout.num_engines, pt.nnodes * pt.nproc_per_node
     cores = os.cpu_count() or 1
-    if cfg.algo.async_rollout or not engines or not trainer_ranks:
+    if staleness_bound(cfg.algo) > 0 or not engines or not trainer_ranks:
         shared = max(1, cores // max(1, engines + trainer_ranks))
         return _with_threads(env, shared), _with_threads(env, shared)
     return _with_threads(env, max(1, cores // engines)), _with_threads(env, max(1, cores // trainer_ranks))

@@ -22,6 +22,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from dsv4rl.algo.staleness import staleness_bound
 from dsv4rl.config.choices import ClusterKind, ProcessRole, RolloutEngineKind, RolloutMode, SyncTransport
 from dsv4rl.config.compose import ConfigError
 from dsv4rl.config.reference_run import compare as compare_with_reference
@@ -257,7 +258,21 @@ def rollout_plan(cfg: Config) -> dict[str, Any]:
         "max_total_tokens": r.max_total_tokens,
         "max_concurrent_tools": r.max_concurrent_tools,
         "max_tool_error_fraction": r.max_tool_error_fraction,
+        # how far behind the trained weights a batch may be sampled, and the batches that waits for
+        "max_staleness": staleness_bound(cfg.algo),
+        "batch_samples": cfg.algo.prompts_per_step * cfg.algo.group_size,
     }
+
+
+def _staleness_text(rollout: dict[str, Any]) -> str:
+    bound, samples = rollout["max_staleness"], rollout["batch_samples"]
+    if bound == 0:
+        return "loop: synchronous (algo.max_staleness=0): each batch is sampled by the weights it trains"
+    return (
+        f"loop: {bound} step(s) off-policy (algo.max_staleness={bound}): the next batch is generated while "
+        f"this one trains; {bound} batch(es) of {samples} samples held on the driver's host; TIS/MIS correct "
+        "for the staleness"
+    )
 
 
 def _rollout_text(rollout: dict[str, Any]) -> str | None:
@@ -461,6 +476,7 @@ def render_plan(plan: dict[str, Any], console: Console) -> None:
     )
     console.print(_layout_text(plan["training"]))
     console.print(_reward_text(plan["reward"]), soft_wrap=True, highlight=False)
+    console.print(_staleness_text(plan["rollout"]), soft_wrap=True, highlight=False)
     rollout = _rollout_text(plan["rollout"])
     if rollout:
         console.print(rollout, soft_wrap=True, highlight=False)

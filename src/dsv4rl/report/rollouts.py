@@ -33,7 +33,7 @@ _STEP_FILE = re.compile(r"step_(\d+)\.jsonl")
 FIELDS = (
     "step", "index", "group", "problem_id", "prompt", "prompt_ids", "response", "reasoning", "answer",
     "response_ids", "logprobs", "finish_reason", "ground_truth", "rewards", "reward", "excluded", "trained",
-    "advantage", "weight_version",
+    "advantage", "weight_version", "versions",
 )  # fmt: skip
 # What a multi-turn record adds (dsv4rl.train.trajectory_records)
 TRAJECTORY_FIELDS = (

@@ -10,6 +10,7 @@ from dsv4rl.config.schema import SamplingConfig
 from dsv4rl.data.chat_format import PromptRenderer
 from dsv4rl.data.problems import Problem
 from dsv4rl.rollout.choices import ChoiceRequest, attach_choices
+from dsv4rl.rollout.versions import head_version, token_versions
 from dsv4rl.samples import Sample
 from dsv4rl.wire.engine_api import EngineAPI
 from dsv4rl.wire.seed import mix_seed
@@ -74,6 +75,7 @@ def _to_sample(group: int, prompt_ids: list[int], output: dict, answer: str) -> 
     meta = output["meta_info"]
     logprobs = [entry[0] for entry in meta.get("output_token_logprobs", [])]
     response_ids = list(output["output_ids"])
+    versions = token_versions(meta, len(response_ids))
     if len(logprobs) != len(response_ids):
         raise ValueError(
             f"engine returned {len(logprobs)} logprobs for {len(response_ids)} output tokens; "
@@ -87,7 +89,8 @@ def _to_sample(group: int, prompt_ids: list[int], output: dict, answer: str) -> 
         response_text=output.get("text", ""),
         finish_reason=meta["finish_reason"]["type"],
         answer=answer,
-        weight_version=str(meta.get("weight_version", "")),
+        weight_version=head_version(versions),
+        versions=versions,
     )
 
 

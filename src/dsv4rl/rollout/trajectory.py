@@ -41,6 +41,7 @@ from dsv4rl.rollout.env import EnvReset, ToolEnv, UserEnv
 from dsv4rl.rollout.generate import GroupHook, Reroute, sample_seed, sampling_params
 from dsv4rl.rollout.tool_failures import ENV_NAME, FailureLog, StepFailures
 from dsv4rl.rollout.turn_format import AssistantMessage, AssistantTurn, TurnFormat
+from dsv4rl.rollout.versions import head_version, token_versions
 from dsv4rl.samples import Sample, Trajectory, TurnRecord
 from dsv4rl.wire.choices import decode_rows
 from dsv4rl.wire.engine_api import EngineAPI
@@ -225,7 +226,8 @@ class TrajectoryRunner:
         turns: list[TurnRecord] = []
         stitched = TurnChoices([], [])
         trajectory = Trajectory(turns=turns, messages=messages)
-        finish, version = "stop", ""
+        finish = "stop"
+        versions: list[str] = []  # per response token: the sampling version, "" where the template inserted
         while True:
             used = len(ids) - len(prompt)
             cap = min(self.per_turn, self.cfg.max_total_tokens - used)
@@ -239,7 +241,7 @@ class TrajectoryRunner:
             sampled_logprobs = [entry[0] for entry in meta.get("output_token_logprobs", [])]
             if len(sampled_logprobs) != len(sampled):
                 raise ValueError(f"engine returned {len(sampled_logprobs)} logprobs for {len(sampled)} ids")
-            version = version or str(meta.get("weight_version", ""))
+            versions += token_versions(meta, len(sampled))
             start = len(ids) - len(prompt)
             ids += sampled
             mask += [1.0] * len(sampled)
@@ -296,6 +298,7 @@ class TrajectoryRunner:
             ids += inserted
             mask += [0.0] * len(inserted)
             logprobs += [0.0] * len(inserted)
+            versions += [""] * len(inserted)
             record.inserted_end = record.end + len(inserted)
             rendered = new
         self._count(trajectory, state)
@@ -308,7 +311,8 @@ class TrajectoryRunner:
             response_text=self.format.decode(ids[len(prompt) :]),
             finish_reason=finish,
             answer=problem.answer,
-            weight_version=version,
+            weight_version=head_version(versions),
+            versions=versions,
             loss_mask=mask,
             trajectory=trajectory,
         )

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from dsv4rl.algo.dapo import flat_group_fraction
 from dsv4rl.algo.families import compute_advantages, keep_groups, sampling_done, shape_rewards
+from dsv4rl.algo.staleness import staleness_bound, staleness_metrics
 from dsv4rl.config.choices import MemoryTag
 from dsv4rl.config.schema import Config
 from dsv4rl.data.chat_response import response_split_metrics
@@ -51,7 +52,7 @@ from dsv4rl.train.learning_signal import FlatRewardWatch
 from dsv4rl.train.nonfinite import require_finite_weights
 from dsv4rl.train.preempt import BoundaryStop
 from dsv4rl.train.rewarding import generate_and_score
-from dsv4rl.train.rollout_ahead import RolloutAhead, overlap_seconds, staleness
+from dsv4rl.train.rollout_ahead import RolloutAhead, overlap_seconds
 from dsv4rl.train.rollout_records import saves_rollouts, write_rollouts
 
 log = logging.getLogger(__name__)
@@ -105,10 +106,10 @@ class RLLoop:
         self.saved_step: int | None = None  # the step of the last checkpoint this process wrote
         self.stopped_at: int | None = None  # the step boundary a graceful stop left the loop at
         self.restarts_on = restart_budget(cfg) > 0  # a lost engine: its requests resent, the group rebuilt
-        # algo.async_rollout: rank 0 generates the next step's batch while this one trains
+        # algo.max_staleness=1 (async_rollout): rank 0 generates the next step's batch while this one trains
         self.ahead = (
             RolloutAhead(lambda step: self.collect_batch(step, StepTimer(), background=True))
-            if cfg.algo.async_rollout and driver is not None
+            if staleness_bound(cfg.algo) == 1 and driver is not None
             else None
         )
 
@@ -322,7 +323,7 @@ class RLLoop:
             **(response_split_metrics(all_parts) if all_parts else {}),
             **trajectory_metrics(every),  # tool/*, turns_mean, finish/*, masked_token_fraction
             # the weights this batch trains are version step - 1: how far behind they were generated
-            **staleness([s.weight_version for s in kept], step - 1),
+            **staleness_metrics([s.weight_version for s in kept], step - 1),
         }
         if background:
             metrics.update({f"time_{name}_s": seconds for name, seconds in timer.seconds.items()})

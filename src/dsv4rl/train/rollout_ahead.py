@@ -89,17 +89,3 @@ class RolloutAhead:
 def overlap_seconds(rollout: Rollout, train_start: float, train_end: float) -> float:
     """How long the rollout ran while the trainer trained (both in monotonic seconds)."""
     return max(0.0, min(rollout.finished, train_end) - max(rollout.started, train_start))
-
-
-def staleness(samples_versions: list[str], trained_version: int) -> dict[str, float]:
-    """How many weight versions behind the trained policy each sample was generated (0: on-policy).
-    Versions the engines report that are not step numbers (an engine's initial "default") are skipped."""
-    lags = []
-    for version in samples_versions:
-        try:
-            lags.append(trained_version - int(version))
-        except ValueError:
-            continue
-    if not lags:
-        return {}
-    return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}

@@ -19,6 +19,7 @@ from dsv4rl.data.problems import Problem
 from dsv4rl.faults.files import write_text_atomic
 from dsv4rl.report.rollouts import rollouts_file
 from dsv4rl.reward.results import Outcome
+from dsv4rl.rollout.versions import version_spans
 from dsv4rl.samples import Sample
 from dsv4rl.train.trajectory_records import Decode, trajectory_fields
 
@@ -64,7 +65,9 @@ def rollout_records(
                 "excluded": sample.excluded,
                 "trained": id(sample) in kept,
                 "advantage": sample.advantage if id(sample) in kept else None,
-                "weight_version": sample.weight_version,
+                "weight_version": sample.weight_version,  # its first token's
+                # each response token's version, as [[version, start, end], ...] ("" where inserted)
+                "versions": version_spans(sample.versions),
                 **turns,
             }
         )
