@@ -258,7 +258,7 @@ def rollout_plan(cfg: Config) -> dict[str, Any]:
         "max_total_tokens": r.max_total_tokens,
         "max_concurrent_tools": r.max_concurrent_tools,
         "max_tool_error_fraction": r.max_tool_error_fraction,
-        # how far behind the trained weights a batch may be sampled, and the batches that waits for
+        # how far behind the trained weights a batch may be sampled, and the size of a batch held for it
         "max_staleness": staleness_bound(cfg.algo),
         "batch_samples": cfg.algo.prompts_per_step * cfg.algo.group_size,
     }
