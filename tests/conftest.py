@@ -16,19 +16,18 @@ from dsv4rl.model.model_dir import CACHE_ENV
 
 # On pytest-xdist workers (`make test`, `make test-fast`; --dist loadgroup): a test file is one unit of work,
 # so its module fixtures are built once; files that share a session fixture are one unit
-# (SHARED_FIXTURE_GROUPS), and the longest units are handed out first, so that they do not start last.
-# The files whose slow tests start `dsv4rl` runs (RUNS: the end-to-end runs, the README's commands, the
-# benches) are one unit, SERIAL: each run keeps one to two cores busy with OpenMP threads that spin while
-# another process wants the cores, so two of them at once on CI's 2 cores ran over twice as slow; one
-# worker runs them one after another while the other takes the rest beside them: the unit tests, and the
-# slow files that start no run (the multi-rank backend worlds, SGLang's checks), each a unit of its own.
-# (Passive waiting, OMP_WAIT_POLICY=PASSIVE, made the whole run slower: docs/verification.md.)
+# (SHARED_FIXTURE_GROUPS), and the end-to-end files are handed out first, so that the longest units do not
+# start last. Every file with a `slow` test is one unit, SERIAL: the end-to-end runs each keep one to two
+# cores busy with OpenMP threads that spin while another process wants the cores, so two of them at once
+# on CI's 2 cores ran over twice as slow; one worker runs them one after another while the others take the
+# single-threaded unit tests beside them. (Passive waiting, OMP_WAIT_POLICY=PASSIVE, made the whole run
+# slower: docs/verification.md.)
 SHARED_FIXTURE_GROUPS = {
     "tests/e2e/test_train_cpu.py": "trained_arith",  # trained_arith and short_arith (tests/e2e/conftest.py)
     "tests/e2e/test_two_nodes_cpu.py": "trained_arith",
 }
 SERIAL = "slow_serial"
-RUNS = ("tests/docs/", "tests/e2e/", "tests/test_bench.py")
+FIRST = ("tests/docs/", "tests/e2e/")
 
 _made: list[str] = []
 
@@ -73,15 +72,14 @@ def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
     slow_files = {path(item) for item in items if item.get_closest_marker("slow") and selected(item)}
     for item in items:
         file = path(item)
-        if file in slow_files and file.startswith(RUNS):
+        if file in slow_files:
             group = SERIAL
         elif file in sglang_files:
             group = "sglang_sides"
         else:
             group = SHARED_FIXTURE_GROUPS.get(file, file)
         item.add_marker(pytest.mark.xdist_group(group))
-    # the serial unit first, then the other slow files' units, then the rest
-    items.sort(key=lambda item: (path(item) not in slow_files, not path(item).startswith(RUNS)))
+    items.sort(key=lambda item: (path(item) not in slow_files, not item.nodeid.startswith(FIRST)))
 
 
 def _mark_filter(config):
