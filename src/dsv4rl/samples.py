@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,11 @@ class Trajectory:
         return [turn.reward for turn in self.turns if turn.reward is not None]
 
 
+def head_version(versions: Sequence[str]) -> str:
+    """The version of the first sampled token ("" where none was: inserted tokens carry "")."""
+    return next((version for version in versions if version), "")
+
+
 @dataclass
 class Sample:
     group: int  # index of the prompt within the step; samples of one prompt share it
@@ -74,7 +80,6 @@ class Sample:
     answer: str = ""
     reward: float = 0.0
     advantage: float = 0.0
-    weight_version: str = ""  # the version that sampled its first token (its head version)
     # The version that sampled each response token ("" on tokens the template inserted): a response continued
     # across a weight update holds several (dsv4rl.rollout.versions).
     versions: list[str] = field(default_factory=list)
@@ -88,6 +93,11 @@ class Sample:
     # inserted (tool results, turn tokens); None: every response token is the model's (single turn).
     loss_mask: list[float] | None = None
     trajectory: Trajectory | None = None
+
+    @property
+    def weight_version(self) -> str:
+        """The version that sampled its first token (its head version: the oldest policy in it)."""
+        return head_version(self.versions)
 
     @property
     def generated_tokens(self) -> int:

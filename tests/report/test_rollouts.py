@@ -31,7 +31,6 @@ def write_step(run_dir: Path, step: int) -> list[Sample]:
             answer="7",
             reward=1.0,
             advantage=0.9,
-            weight_version="3",
             versions=["3"],
         ),
         Sample(

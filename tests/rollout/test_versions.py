@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4rl.rollout.versions import head_version, token_versions, version_spans
+from dsv4rl.rollout.versions import token_versions, version_spans
+from dsv4rl.samples import head_version
 
 
 def test_spans_give_each_token_its_version() -> None:

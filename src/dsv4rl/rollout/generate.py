@@ -10,7 +10,7 @@ from dsv4rl.config.schema import SamplingConfig
 from dsv4rl.data.chat_format import PromptRenderer
 from dsv4rl.data.problems import Problem
 from dsv4rl.rollout.choices import ChoiceRequest, attach_choices
-from dsv4rl.rollout.versions import head_version, token_versions
+from dsv4rl.rollout.versions import token_versions
 from dsv4rl.samples import Sample
 from dsv4rl.wire.engine_api import EngineAPI
 from dsv4rl.wire.seed import mix_seed
@@ -89,7 +89,6 @@ def _to_sample(group: int, prompt_ids: list[int], output: dict, answer: str) -> 
         response_text=output.get("text", ""),
         finish_reason=meta["finish_reason"]["type"],
         answer=answer,
-        weight_version=head_version(versions),
         versions=versions,
     )
 

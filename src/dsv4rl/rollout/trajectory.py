@@ -41,7 +41,7 @@ from dsv4rl.rollout.env import EnvReset, ToolEnv, UserEnv
 from dsv4rl.rollout.generate import GroupHook, Reroute, sample_seed, sampling_params
 from dsv4rl.rollout.tool_failures import ENV_NAME, FailureLog, StepFailures
 from dsv4rl.rollout.turn_format import AssistantMessage, AssistantTurn, TurnFormat
-from dsv4rl.rollout.versions import head_version, token_versions
+from dsv4rl.rollout.versions import token_versions
 from dsv4rl.samples import Sample, Trajectory, TurnRecord
 from dsv4rl.wire.choices import decode_rows
 from dsv4rl.wire.engine_api import EngineAPI
@@ -311,7 +311,6 @@ class TrajectoryRunner:
             response_text=self.format.decode(ids[len(prompt) :]),
             finish_reason=finish,
             answer=problem.answer,
-            weight_version=head_version(versions),
             versions=versions,
             loss_mask=mask,
             trajectory=trajectory,

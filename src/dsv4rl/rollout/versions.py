@@ -31,11 +31,6 @@ def token_versions(meta: Mapping[str, Any], tokens: int) -> list[str]:
     return versions
 
 
-def head_version(versions: Sequence[str]) -> str:
-    """The version of the first sampled token ("" where none was: inserted tokens carry "")."""
-    return next((version for version in versions if version), "")
-
-
 def version_spans(versions: Sequence[str]) -> list[list]:
     """`[[version, start, end], ...]`: the per-token versions as the engines' spans, for the records."""
     spans: list[list] = []
