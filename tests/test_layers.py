@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Bottom first; a package may import only packages listed before it (siblings on one line: neither
 # imports the other).
 LAYERS = [
-    ["config", "targets"],
+    ["config", "targets", "aio"],
     ["metrics", "faults", "quant", "topology", "samples"],
     ["wire", "model", "algo", "reward", "data", "estimate", "report"],
     ["engine", "engine_client", "tools"],

@@ -284,22 +284,28 @@ def test_overlong_that_never_fires(tiny: Config) -> None:
 
 def test_async_rollout_needs_a_staleness_correction_and_its_own_devices(tiny: Config) -> None:
     tiny.algo.async_rollout = True
-    assert_problem(tiny, "algo.async_rollout=true", "algo.tis.enabled=true")
+    validate(tiny, check_paths=False)  # TIS unset: on for an off-policy run
+    tiny.algo.tis.enabled = False
+    assert_problem(tiny, "algo.async_rollout=true", "algo.tis.enabled=false", "algo.tis.enabled=true")
     tiny.algo.mis.enabled = True
     validate(tiny, check_paths=False)
     tiny.parallel.colocate = True
     assert_problem(tiny, "parallel.colocate=true")
 
 
-def test_max_staleness_is_a_bound_of_0_or_1_for_now(tiny: Config) -> None:
+def test_max_staleness_is_a_bound_of_0_or_more(tiny: Config) -> None:
     tiny.algo.max_staleness = 1  # the same as async_rollout=true: a correction and devices of its own
+    tiny.algo.tis.enabled = False
     assert_problem(
         tiny, "algo.max_staleness=1 trains on samples up to 1 weight version(s) old", "algo.tis.enabled=true"
     )
     tiny.algo.tis.enabled = True
     validate(tiny, check_paths=False)
-    tiny.algo.max_staleness = 2
-    assert_problem(tiny, "algo.max_staleness=2: fully asynchronous rollouts", "not built yet")
+    tiny.algo.max_staleness = 4  # fully asynchronous
+    validate(tiny, check_paths=False)
+    tiny.parallel.colocate = True
+    assert_problem(tiny, "algo.max_staleness=4 needs the engines generating while the trainer trains")
+    tiny.parallel.colocate = False
     tiny.algo.max_staleness = -1
     assert_problem(tiny, "algo.max_staleness must be >= 0")
     tiny.algo.max_staleness, tiny.algo.async_rollout = 0, True

@@ -462,6 +462,21 @@ def test_plan_shows_the_staleness_bound_and_the_batches_it_holds():
     rollout, text = shown(["algo.async_rollout=true", "algo.tis.enabled=true"])
     assert rollout["max_staleness"] == 1
     assert "1 step(s) off-policy (algo.max_staleness=1)" in text and "1 batch(es) of 512 samples" in text
+    assert (rollout["loop"], rollout["held_samples"], rollout["pause_mode"]) == (
+        "one_step_off_policy",
+        512,
+        None,
+    )
+    rollout, text = shown(["algo.max_staleness=2", "sync.pause_mode=in_place"])
+    assert (rollout["loop"], rollout["held_samples"], rollout["pause_mode"]) == (
+        "fully_async",
+        1536,
+        "in_place",
+    )
+    assert (
+        "loop: fully asynchronous (algo.max_staleness=2)" in text and "up to 1536 samples (3 batches" in text
+    )
+    assert "sync.pause_mode=in_place" in text
 
 
 # ------------------------------------------------------------------------------------------- MoE path, dtype

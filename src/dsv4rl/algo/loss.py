@@ -25,6 +25,7 @@ from torch import Tensor
 
 from dsv4rl.algo.grpo import aggregate, entropy_from_logits, kl_penalty, loss_aggregation, policy_loss
 from dsv4rl.algo.mismatch import correction_weights
+from dsv4rl.algo.staleness import tis_on
 from dsv4rl.config.choices import KLEstimator, LossAggregation
 from dsv4rl.config.schema import AlgoConfig
 
@@ -150,7 +151,7 @@ def rollout_corrections(
         old_logprobs,
         sampled_only(rollout_logprobs, old_logprobs, loss_mask),
         loss_mask,
-        tis_clip=algo.tis.clip if algo.tis.enabled else None,
+        tis_clip=algo.tis.clip if tis_on(algo) else None,
         mis_bounds=(algo.mis.low, algo.mis.high) if algo.mis.enabled else None,
     )
 

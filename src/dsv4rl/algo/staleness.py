@@ -21,6 +21,14 @@ def staleness_bound(algo: AlgoConfig) -> int:
     return algo.max_staleness
 
 
+def tis_on(algo: AlgoConfig) -> bool:
+    """Whether the loss weights tokens by truncated importance sampling: as `algo.tis.enabled` says, or,
+    where it is unset, whenever the run trains off-policy and MIS does not already correct it."""
+    if algo.tis.enabled is not None:
+        return algo.tis.enabled
+    return staleness_bound(algo) >= 1 and not algo.mis.enabled
+
+
 def staleness_metrics(head_versions: Sequence[str], trained_version: int) -> dict[str, float]:
     """`staleness/mean` and `staleness/max` over the trained samples: how many versions behind
     `trained_version` each one's first token was sampled. Versions that are not step numbers (an engine's
@@ -34,3 +42,30 @@ def staleness_metrics(head_versions: Sequence[str], trained_version: int) -> dic
     if not lags:
         return {}
     return {"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))}
+
+
+def partial_fraction(versions: Sequence[Sequence[str]]) -> float:
+    """The share of samples whose tokens came from more than one weight version: responses a weight update
+    reached mid-way and that went on under the new weights (a partial rollout). Inserted tokens ("") are
+    not sampled and do not count."""
+    if not versions:
+        return 0.0
+    return sum(len({v for v in per_token if v}) > 1 for per_token in versions) / len(versions)
+
+
+def admission_capacity(bound: int, version: int, per_step: int, accepted: int, running: int) -> int:
+    """How many more groups may start now (AReaL's staleness manager): the groups accepted so far (trained
+    or waiting, filtered-out ones not counted) and those running may not exceed what the steps up to
+    `version + bound + 1` train, so a group started on weights `version` is trained at most `bound`
+    versions later when groups finish in order. Out of order, `too_stale` catches the rest."""
+    return max(0, (bound + version + 1) * per_step - (accepted + running))
+
+
+def too_stale(head_version: str, trained_version: int, bound: int) -> bool:
+    """Whether a sample whose first token came from `head_version` is more than `bound` versions behind
+    the weights it would train (`trained_version`). A version that is not a step number (an engine's
+    initial "default") is taken as fresh."""
+    try:
+        return trained_version - int(head_version) > bound
+    except ValueError:
+        return False

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from dsv4rl.algo.staleness import staleness_bound
+from dsv4rl.algo.staleness import staleness_bound, tis_on
 from dsv4rl.checks.problems import Add
 from dsv4rl.config.choices import (
     EvalScoredBy,
@@ -65,22 +65,17 @@ def check_algo(cfg: Config, add: Add) -> None:
     off_policy = "algo.async_rollout=true" if a.max_staleness is None else f"algo.max_staleness={bound}"
     if a.max_staleness is not None and a.max_staleness < 0:
         add(f"algo.max_staleness must be >= 0 (got {a.max_staleness}): 0 trains on-policy")
-    elif a.max_staleness is not None and a.max_staleness >= 2:
-        add(
-            f"algo.max_staleness={a.max_staleness}: fully asynchronous rollouts (2 or more versions behind) "
-            "are not built yet; use algo.max_staleness=1 (one step off-policy, as algo.async_rollout=true) "
-            "or 0 (synchronous)"
-        )
     if a.async_rollout and a.max_staleness == 0:
         add(
             "algo.async_rollout=true generates each batch one weight version behind, but "
             "algo.max_staleness=0 allows none: drop one of them (algo.max_staleness=1 is the same as "
             "algo.async_rollout=true)"
         )
-    if bound >= 1 and not (a.tis.enabled or a.mis.enabled):
+    if bound >= 1 and not (tis_on(a) or a.mis.enabled):
         add(
-            f"{off_policy} trains on samples up to {bound} weight version(s) old: turn on the correction for "
-            "it, algo.tis.enabled=true (or algo.mis.enabled=true)"
+            f"{off_policy} trains on samples up to {bound} weight version(s) old, but algo.tis.enabled=false "
+            "and MIS is off: turn on the correction for it, algo.tis.enabled=true (or unset, or "
+            "algo.mis.enabled=true)"
         )
     if bound >= 1 and cfg.parallel.colocate:
         add(

@@ -115,7 +115,8 @@ class QuantConfig:
 
 @dataclass
 class TISConfig:
-    enabled: bool = False
+    # None: on where the run trains off-policy (a staleness bound >= 1) and MIS is off; else off
+    enabled: bool | None = None
     clip: float = 2.0
 
 

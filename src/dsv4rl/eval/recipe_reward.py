@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from dsv4rl.aio import run_on
 from dsv4rl.config.choices import ChatFormat
 from dsv4rl.config.compose import reward_base_dirs
 from dsv4rl.config.schema import Config, RewardConfig
@@ -139,7 +140,7 @@ class RecipeReward:
             loop = self._loop = self._loop or asyncio.new_event_loop()
         self._used = loop  # where the remote and judge clients live: closed there
         start = time.monotonic()
-        scored = loop.run_until_complete(self._score(groups, first))
+        scored = run_on(loop, self._score(groups, first))
         seconds = time.monotonic() - start
         outcomes = [per_sample for group in scored for per_sample in group]
         combined = self.rewards.combine(outcomes)

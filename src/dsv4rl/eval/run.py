@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from dsv4rl.aio import run_on
 from dsv4rl.config.choices import ChatFormat, EvalScoredBy
 from dsv4rl.config.schema import Config, EvalConfig
 from dsv4rl.data.chat_format import PromptRenderer, eval_chat_settings
@@ -143,10 +144,11 @@ def evaluate_on_engines(
     if multi is not None:
         samples = generate_with_tools(multi, clients, problems, e.samples_per_problem, event_loop, seed)
     else:
-        samples = event_loop.run_until_complete(
+        samples = run_on(
+            event_loop,
             generate_samples(
                 clients, problems, tokenizer, e.samples_per_problem, e.sampling, seed=seed, renderer=renderer
-            )
+            ),
         )
     generate_s = time.monotonic() - start
     by_problem = [

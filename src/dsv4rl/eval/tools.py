@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from dsv4rl.aio import run_on
 from dsv4rl.config.compose import reward_base_dirs
 from dsv4rl.config.schema import Config
 from dsv4rl.data.chat_format import PromptRenderer, eval_chat_settings
@@ -64,8 +65,8 @@ def generate_with_tools(
     seed: int | None,
 ) -> list[Sample]:
     """`samples_per_problem` trajectories of every problem, prompt-major (as `generate_samples`)."""
-    return event_loop.run_until_complete(
-        generate_trajectories(clients, problems, multi.runner, samples_per_problem, seed)
+    return run_on(
+        event_loop, generate_trajectories(clients, problems, multi.runner, samples_per_problem, seed)
     )
 
 

@@ -260,18 +260,44 @@ def rollout_plan(cfg: Config) -> dict[str, Any]:
         "max_tool_error_fraction": r.max_tool_error_fraction,
         # how far behind the trained weights a batch may be sampled, and the size of a batch held for it
         "max_staleness": staleness_bound(cfg.algo),
+        "loop": loop_mode(staleness_bound(cfg.algo)),
         "batch_samples": cfg.algo.prompts_per_step * cfg.algo.group_size,
+        # generated ahead of the trainer, in flight or finished and waiting (K + 1 batches when streaming)
+        "held_samples": held_batches(staleness_bound(cfg.algo))
+        * cfg.algo.prompts_per_step
+        * cfg.algo.group_size,
+        "pause_mode": cfg.sync.pause_mode.value if staleness_bound(cfg.algo) >= 2 else None,
     }
+
+
+def loop_mode(bound: int) -> str:
+    """synchronous (K = 0), one_step_off_policy (K = 1: the next batch generates while one trains) or
+    fully_async (K >= 2: the engines generate throughout, `train/rollout_stream.py`)."""
+    return "synchronous" if bound == 0 else "one_step_off_policy" if bound == 1 else "fully_async"
+
+
+def held_batches(bound: int) -> int:
+    """Batches of samples the driver may hold beyond the one training: K <= 1 holds K; the stream admits
+    groups until K + 1 batches are running or waiting."""
+    return bound if bound <= 1 else bound + 1
 
 
 def _staleness_text(rollout: dict[str, Any]) -> str:
     bound, samples = rollout["max_staleness"], rollout["batch_samples"]
     if bound == 0:
         return "loop: synchronous (algo.max_staleness=0): each batch is sampled by the weights it trains"
+    if bound == 1:
+        return (
+            f"loop: {bound} step(s) off-policy (algo.max_staleness={bound}): the next batch is generated "
+            f"while this one trains; {bound} batch(es) of {samples} samples held on the driver's host; "
+            "TIS/MIS correct for the staleness"
+        )
     return (
-        f"loop: {bound} step(s) off-policy (algo.max_staleness={bound}): the next batch is generated while "
-        f"this one trains; {bound} batch(es) of {samples} samples held on the driver's host; TIS/MIS correct "
-        "for the staleness"
+        f"loop: fully asynchronous (algo.max_staleness={bound}): the engines generate throughout, each step "
+        f"takes finished groups at most {bound} versions old (older ones are dropped); up to "
+        f"{rollout['held_samples']} samples ({held_batches(bound)} batches of {samples}) in flight or "
+        f"waiting on the driver's host; pushes pause generation (sync.pause_mode={rollout['pause_mode']}); "
+        "TIS/MIS correct for the staleness"
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dsv4rl.aio import run_on
 from dsv4rl.config.choices import EngineNumerics, QuantMode
 from dsv4rl.config.schema import SyncVerifyConfig
 from dsv4rl.sync.errors import WeightSyncError, engine_name
@@ -123,7 +124,7 @@ class SyncVerifier:
             return await asyncio.gather(*(c.weights_checker("checksum") for c in self.clients))
 
         failures = []
-        for client, body in zip(self.clients, self.event_loop.run_until_complete(fetch()), strict=True):
+        for client, body in zip(self.clients, run_on(self.event_loop, fetch()), strict=True):
             held: dict[str, str] = {}
             for rank in body.get("ranks") or []:
                 held.update(rank.get("checksums") or {})
@@ -149,7 +150,7 @@ class SyncVerifier:
         trainer = trainer_logprobs.detach().float().cpu()
         worst = 0.0
         failures = []
-        for client, outputs in zip(self.clients, self.event_loop.run_until_complete(score()), strict=True):
+        for client, outputs in zip(self.clients, run_on(self.event_loop, score()), strict=True):
             engine = engine_input_logprobs(outputs, probe.shape[1])
             diff = (engine - trainer).abs()
             mean = float(diff.mean())

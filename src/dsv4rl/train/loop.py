@@ -23,9 +23,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dsv4rl.aio import run_on
 from dsv4rl.algo.dapo import flat_group_fraction
 from dsv4rl.algo.families import compute_advantages, keep_groups, sampling_done, shape_rewards
-from dsv4rl.algo.staleness import staleness_bound, staleness_metrics
+from dsv4rl.algo.staleness import partial_fraction, staleness_bound, staleness_metrics
 from dsv4rl.config.choices import MemoryTag
 from dsv4rl.config.schema import Config
 from dsv4rl.data.chat_response import response_split_metrics
@@ -54,6 +55,7 @@ from dsv4rl.train.preempt import BoundaryStop
 from dsv4rl.train.rewarding import generate_and_score
 from dsv4rl.train.rollout_ahead import RolloutAhead, overlap_seconds
 from dsv4rl.train.rollout_records import saves_rollouts, write_rollouts
+from dsv4rl.train.rollout_stream import RolloutStream, groups_to_lists
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,9 @@ class RLLoop:
             if staleness_bound(cfg.algo) == 1 and driver is not None
             else None
         )
+        # algo.max_staleness >= 2: the engines generate without pause; each step takes finished groups
+        bound = staleness_bound(cfg.algo)
+        self.stream = RolloutStream(cfg, driver, bound) if bound >= 2 and driver is not None else None
 
     # ----------------------------------------------------------------- setup
     def resume(self) -> int:
@@ -131,6 +136,8 @@ class RLLoop:
         if self.driver is not None:
             self.driver.stream.load_state_dict(extra["data"])
             self.resumed_trackers = extra.get("trackers")
+        if self.stream is not None and extra.get("rollout_stream") is not None:
+            self.stream.load_state_dict(extra["rollout_stream"])  # the data cursor included
         if self.ahead is not None and extra.get("pending_rollout") is not None:
             self.ahead.restore(extra["pending_rollout"])  # generated before the stop, not yet trained
         if self.rank == 0:
@@ -146,6 +153,8 @@ class RLLoop:
         # The engines start from the model directory; after a resume they must hold the resumed weights.
         heartbeat.enter("sync", start)
         self.sync_weights(version=start)
+        if self.stream is not None:
+            self.stream.start(version=start)
         finished = False
         try:
             for step in range(start + 1, self.cfg.train.steps + 1):
@@ -159,6 +168,8 @@ class RLLoop:
         finally:
             if self.ahead is not None:
                 self.ahead.close(wait=finished)
+            if self.stream is not None:
+                self.stream.close()
             if self.trackers is not None:  # the launcher adds the outcome (dsv4rl.trackers.outcome)
                 self.trackers.close()
         heartbeat.enter("shutdown", self.cfg.train.steps)
@@ -217,6 +228,8 @@ class RLLoop:
                 rollout_metrics["async_overlap_s"] = overlap_seconds(upcoming, train_start, train_end)
         with self.phase(timer, "sync", step):
             sync_stats, due = self.push_weights(version=step)
+        if self.stream is not None:
+            self.stream.advance(step)  # the engines hold this step's weights: more groups may start
         with self.phase(timer, "verify", step):
             verify_metrics = self.verify_sync(step, sync_stats, due)
         eval_metrics = {}
@@ -226,6 +239,9 @@ class RLLoop:
                 eval_metrics = self.on_live_engines(partial(evaluator.run, step))
         if self.driver is not None:
             metrics = {"step": step, **train_metrics, **timer.as_metrics(), **rollout_metrics}
+            if "rollout/engine_idle_fraction" not in metrics:  # K <= 1: the engines generate in the rollout
+                generating = metrics.get("time_rollout_s", 0.0) / max(metrics["time_step_s"], 1e-9)
+                metrics["rollout/engine_idle_fraction"] = min(1.0, max(0.0, 1.0 - generating))
             metrics.update(sync_metrics(sync_stats), **verify_metrics, **eval_metrics)
             if self.driver.roster is not None:
                 metrics.update(self.driver.roster.metrics())  # engine/restarts, engine/alive, rollout/resent
@@ -240,6 +256,11 @@ class RLLoop:
     def rollout(self, step: int, timer: StepTimer) -> tuple[TrainBatch, dict[str, float]]:
         """This step's batch: generated now, or (async) the one generated while the last step trained,
         whose rollout and reward times it carries; then the next step's rollout starts."""
+        if self.stream is not None:
+            with self.phase(timer, "wait_rollout", step):
+                taken = self.stream.take(step)
+            batch, metrics = self.assemble(step, timer, *groups_to_lists(taken))
+            return batch, {**metrics, **taken.metrics}
         if self.ahead is None:
             return self.collect_batch(step, timer)
         with self.phase(timer, "wait_rollout", step):  # only the first step (or a resume) waits here
@@ -272,8 +293,9 @@ class RLLoop:
         wanted = len(problems) * algo.group_size
         while True:
             with phase("rollout"):  # the scoring runs with it; what it left after the generation is "reward"
-                round_ = driver.event_loop.run_until_complete(
-                    generate_and_score(self.cfg, driver, problems, step, attempt, len(every))
+                round_ = run_on(
+                    driver.event_loop,
+                    generate_and_score(self.cfg, driver, problems, step, attempt, len(every)),
                 )
             timer.move("rollout", "reward", round_.reward_tail_s)
             samples = round_.samples
@@ -294,8 +316,26 @@ class RLLoop:
             if sampling_done(algo, len(kept), wanted, attempt, len(problems)):
                 break
             problems = driver.stream.next_batch()
+        kept = kept[:wanted] if len(kept) > wanted else kept
+        return self.assemble(step, timer, kept, every, prompts, outcomes, all_parts or None, background)
+
+    def assemble(
+        self,
+        step: int,
+        timer: StepTimer,
+        kept: list[Sample],
+        every: list[Sample],
+        prompts: list[Problem],
+        outcomes: list[dict],
+        all_parts: list | None,
+        background: bool = False,
+    ) -> tuple[TrainBatch, dict[str, float]]:
+        """The batch of `kept` (scored, rewards shaped) with advantages, the step's metrics over `every`
+        sample generated for it, and its rollout records."""
+        driver = self.driver
+        algo = self.cfg.algo
         step_rewards = driver.rewards.combine(outcomes)  # too many errors of one function stop the run here
-        kept = self.fit_to_data_parallel(kept[:wanted] if len(kept) > wanted else kept)
+        kept = self.fit_to_data_parallel(kept)
         rewards = torch.tensor([s.reward for s in kept])
         scored = torch.tensor([not s.excluded for s in kept])
         advantages = compute_advantages(algo, rewards, scored)
@@ -324,12 +364,15 @@ class RLLoop:
             **trajectory_metrics(every),  # tool/*, turns_mean, finish/*, masked_token_fraction
             # the weights this batch trains are version step - 1: how far behind they were generated
             **staleness_metrics([s.weight_version for s in kept], step - 1),
+            "partial/fraction": partial_fraction([s.versions for s in kept]),
+            # what the filter kept (dynamic sampling; the stream's filter): samples trained of those generated
+            "oversample/kept_fraction": len(kept) / len(every),
         }
         if background:
             metrics.update({f"time_{name}_s": seconds for name, seconds in timer.seconds.items()})
         if saves_rollouts(self.cfg.run.save_rollouts, step):
             decode = driver.multi_turn.runner.format.decode if driver.multi_turn is not None else None
-            write_rollouts(self.run_dir, step, every, prompts, outcomes, all_parts or None, kept, decode)
+            write_rollouts(self.run_dir, step, every, prompts, outcomes, all_parts, kept, decode)
         return batch, metrics
 
     def fit_to_data_parallel(self, samples: list[Sample]) -> list[Sample]:
@@ -401,7 +444,7 @@ class RLLoop:
     def engine_members(self) -> list[int] | None:
         """Rank 0, engine restarts on: the engines the group must hold now (None: as it is)."""
         roster = self.driver.roster if self.driver is not None else None
-        return self.driver.event_loop.run_until_complete(roster.members_for_sync()) if roster else None
+        return run_on(self.driver.event_loop, roster.members_for_sync()) if roster else None
 
     def members_after_failure(self, failure: WeightSyncError | None, version: int) -> list[int] | None:
         """Rank 0, after `failure` of a push: the group without the engines lost during it, when some were
@@ -410,7 +453,7 @@ class RLLoop:
         roster = self.driver.roster if self.driver is not None else None
         if failure is None or roster is None:
             return None
-        run = self.driver.event_loop.run_until_complete
+        run = partial(run_on, self.driver.event_loop)
         if self.weight_sync.spent:  # none of them may be pushed to again: fresh processes are
             why = f"the push of step {version} left them spent: {str(failure).splitlines()[0]}"
             timeout_s = self.cfg.engine.startup_timeout_s
@@ -482,7 +525,7 @@ class RLLoop:
             return work()
         except EngineError:
             roster = self.driver.roster
-            if roster is None or not self.driver.event_loop.run_until_complete(roster.recheck()):
+            if roster is None or not run_on(self.driver.event_loop, roster.recheck()):
                 raise
         live = self.follow_live_engines()
         log.warning("an engine was lost in a check or an eval: done again on the %d that answer", len(live))
@@ -500,10 +543,15 @@ class RLLoop:
     def save_checkpoint(self, step: int) -> None:
         """Model, optimizer, RNG states (saved by the backend) plus the step and the data cursor."""
         heartbeat.enter("checkpoint", step)
-        extra = {"step": step, "data": self.driver.stream.state_dict() if self.driver is not None else None}
+        # K >= 2: the producer moves the data cursor, so it is read on its loop with the stream's own state
+        streamed = self.stream.state_dict() if self.stream is not None else None
+        data = self.driver.stream.state_dict() if self.driver is not None and streamed is None else None
+        extra = {"step": step, "data": streamed["data"] if streamed is not None else data}
         if self.trackers is not None:  # a resume continues the same tracker runs
             extra["trackers"] = self.trackers.state_dict()
         if self.ahead is not None:  # the next step's batch, generated before this checkpoint
             extra["pending_rollout"] = self.ahead.pending
+        if streamed is not None:  # finished groups not yet trained, problems not yet finished
+            extra["rollout_stream"] = streamed
         self.backend.save_checkpoint(str(checkpoint_dir(self.checkpoint_root, step)), extra)
         self.saved_step = step

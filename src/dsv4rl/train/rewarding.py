@@ -29,6 +29,7 @@ from dsv4rl.rollout.reward_inputs import reward_inputs
 from dsv4rl.rollout.trajectory import final_turn_text, generate_trajectories
 from dsv4rl.samples import Sample
 from dsv4rl.train.driver import Driver
+from dsv4rl.wire.engine_api import EngineAPI
 
 # /generate calls per engine when scoring overlaps generation: groups come back in this many waves
 OVERLAP_CALLS_PER_ENGINE = 8
@@ -64,17 +65,20 @@ async def generate_and_score(
     attempt: int,
     first_index: int,
     calls_per_engine: int | None = None,
+    clients: Sequence[EngineAPI] | None = None,
 ) -> Round:
     """Generate `problems`' groups on the engines and score each group as it arrives; `calls_per_engine`
-    overrides `calls_for` (benchmarks)."""
+    overrides `calls_for` (benchmarks), `clients` the engines that take requests now (the asynchronous
+    stream sends each group to the least busy one)."""
     algo = cfg.algo
+    clients = list(clients) if clients is not None else driver.live_clients()
     rewards: RewardSet = driver.rewards
     scoring = GroupScoring(driver, problems, step, first_index, cfg.data.chat_format != ChatFormat.none)
     started = time.monotonic()
     seed = rollout_seed(cfg.seed, step, attempt) if cfg.engine.reproducible_sampling else None
     if driver.multi_turn is not None:
         generation = generate_trajectories(
-            driver.live_clients(),
+            clients,
             problems,
             driver.multi_turn.runner,
             algo.group_size,
@@ -84,7 +88,7 @@ async def generate_and_score(
         )
     else:
         generation = generate_samples(
-            driver.live_clients(),
+            clients,
             problems,
             driver.tokenizer,
             algo.group_size,

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from dsv4rl.algo.staleness import staleness_bound
 from dsv4rl.config.choices import ChatFormat, RolloutEngineKind, Task
 from dsv4rl.config.compose import load_config_file, reward_base_dirs
 from dsv4rl.config.schema import Config
@@ -131,7 +132,8 @@ def build_weight_sync(
             master_port=mine.port,
             engine_ranks=[ranks_per_engine] * len(clients),
             group_name=mine.group_name,
-            pause=False,  # the loop syncs between rollouts: no request is in flight to pause
+            # K <= 1 syncs between rollouts: no request is in flight to pause; K >= 2 generates throughout
+            pause=staleness_bound(cfg.algo) >= 2,
             transport=sync_transport(cfg),  # colocated: by tensor handles, no group
             non_idempotent=restart_reason(cfg),  # a failed push then stops the run: fresh engines needed
         )
