@@ -53,3 +53,12 @@ def test_a_group_too_stale_is_more_than_k_versions_behind_the_trained_weights() 
     assert too_stale("2", trained_version=5, bound=2)
     assert not too_stale("default", trained_version=5, bound=2)  # an engine's initial version: fresh
     assert not too_stale("", trained_version=5, bound=0)
+
+
+def test_oversampling_runs_more_groups_for_a_filter_that_keeps_a_share() -> None:
+    # K = 2, 4 prompts a step, nothing accepted yet: twice the 12 groups may run
+    assert admission_capacity(2, 0, 4, accepted=0, running=0, oversample=2.0) == 24
+    assert admission_capacity(2, 0, 4, accepted=0, running=24, oversample=2.0) == 0
+    # kept groups count whole: 10 accepted leave room for 2, so 4 running at factor 2
+    assert admission_capacity(2, 0, 4, accepted=10, running=0, oversample=2.0) == 4
+    assert admission_capacity(2, 0, 4, accepted=0, running=0, oversample=1.5) == 18

@@ -578,3 +578,27 @@ def test_engine_restart_bounds_are_checked(tiny: Config) -> None:
     assert_problem(tiny, "engine.min_alive=0 must be between 1")
     tiny.engine.health_timeout_s = 0
     assert_problem(tiny, "engine.health_timeout_s must be > 0")
+
+
+def test_oversampling_is_the_streams_and_its_filter_is_checked(tiny: Config, tmp_path: Path) -> None:
+    tiny.algo.oversample.factor = 2.0
+    assert_problem(tiny, "algo.oversample (factor 2, filter none)", "set algo.max_staleness=2 or more")
+    tiny.algo.max_staleness = 2
+    validate(tiny, check_paths=False)
+    tiny.algo.oversample.factor = 0.5
+    assert_problem(tiny, "algo.oversample.factor must be >= 1 (got 0.5)")
+    tiny.algo.oversample.factor, tiny.algo.oversample.timeout_s = 1.0, 0.0
+    assert_problem(tiny, "algo.oversample.timeout_s must be > 0")
+    tiny.algo.oversample.timeout_s = 30.0
+    tiny.algo.oversample.filter = "builtin:nonzero_sd"
+    assert_problem(tiny, "no builtin filter 'nonzero_sd'", "did you mean builtin:nonzero_std?")
+    tiny.algo.oversample.filter = "builtin:nonzero_std"
+    validate(tiny, check_paths=False)
+    filters = tmp_path / "filters.py"
+    filters.write_text("async def a(group, rewards):\n    return True\n\n\ndef b(group):\n    return True\n")
+    tiny.algo.oversample.filter = f"{filters}:a"
+    assert_problem(tiny, "a is async", "plain `def`", check_paths=True)
+    tiny.algo.oversample.filter = f"{filters}:b"
+    assert_problem(tiny, "cannot be called as b(group, rewards=...)", check_paths=True)
+    tiny.algo.oversample.filter = f"{filters}:c"
+    assert_problem(tiny, "has no function 'c'", check_paths=True)

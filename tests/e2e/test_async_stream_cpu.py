@@ -58,17 +58,28 @@ def test_fully_async_tiny_arith_learns_within_its_staleness_bound(tmp_path: Path
     check_records(run_dir, bound=2)
 
 
-def test_a_stream_with_longer_responses_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    """Eight-token responses, so pushes land mid-response (continued in place); a checkpoint keeps the
-    finished groups not yet trained and the problems in flight, and a resumed run goes on from there."""
+def test_an_oversampled_filtered_stream_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """Eight-token responses, so pushes land mid-response (continued in place); DAPO's filter over 1.5x
+    the groups; a checkpoint keeps the finished groups not yet trained and the problems in flight, and a
+    resumed run goes on from there."""
     run_dir = tmp_path / "stream_resume"
     longer = (*STREAM, "algo.sampling.max_new_tokens=8", "algo.prompts_per_step=8", "eval.every_steps=0",
+              "algo.oversample.factor=1.5", "algo.oversample.filter=builtin:nonzero_std",
               "train.checkpoint_every=2", "run.save_rollouts=1")  # fmt: skip
     train(run_dir, *longer, "train.steps=4")
     train(run_dir, *longer, "train.steps=8", "resume=true")
     metrics = read_metrics(run_dir / "metrics.jsonl")
     assert [line["step"] for line in metrics] == list(range(1, 9))
     assert all(line["staleness/max"] <= 2 for line in metrics)
+    # the filter threw groups away (most of the untrained model's groups score all 0) and batches stayed full
+    assert min(line["oversample/kept_fraction"] for line in metrics) < 1
+    assert all(line["samples_trained"] == 8 * 16 for line in metrics)
     spanning = check_records(run_dir, bound=2)
     partial = sum(line["partial/fraction"] * line["samples_trained"] for line in metrics)
     assert round(partial) == spanning  # the metric counts the samples the records show spanning versions
+    trained: dict[tuple[int, int], set[float]] = {}
+    for path in (run_dir / "rollouts").glob("step_*.jsonl"):
+        for record in map(json.loads, path.read_text().splitlines()):
+            if record["trained"]:
+                trained.setdefault((record["step"], record["group"]), set()).add(record["reward"])
+    assert trained and all(len(rewards) > 1 for rewards in trained.values())  # only groups that differ

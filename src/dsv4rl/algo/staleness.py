@@ -9,6 +9,7 @@ versions behind and a one-step-off-policy step's 1.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from dsv4rl.config.schema import AlgoConfig
@@ -53,12 +54,17 @@ def partial_fraction(versions: Sequence[Sequence[str]]) -> float:
     return sum(len({v for v in per_token if v}) > 1 for per_token in versions) / len(versions)
 
 
-def admission_capacity(bound: int, version: int, per_step: int, accepted: int, running: int) -> int:
+def admission_capacity(
+    bound: int, version: int, per_step: int, accepted: int, running: int, oversample: float = 1.0
+) -> int:
     """How many more groups may start now (AReaL's staleness manager): the groups accepted so far (trained
     or waiting, filtered-out ones not counted) and those running may not exceed what the steps up to
     `version + bound + 1` train, so a group started on weights `version` is trained at most `bound`
-    versions later when groups finish in order. Out of order, `too_stale` catches the rest."""
-    return max(0, (bound + version + 1) * per_step - (accepted + running))
+    versions later when groups finish in order. Out of order, `too_stale` catches the rest.
+    `oversample` (>= 1) counts a running group as 1 / oversample of one: that many more run, for a filter
+    that keeps about that share."""
+    room = (bound + version + 1) * per_step - accepted
+    return max(0, math.floor(oversample * room + 1e-9) - running)
 
 
 def too_stale(head_version: str, trained_version: int, bound: int) -> bool:

@@ -19,9 +19,19 @@ from dsv4rl.config.choices import GraderName
 from dsv4rl.config.compose import reward_base_dirs
 from dsv4rl.config.schema import Config, RewardFnConfig
 from dsv4rl.reward.graders import GRADERS, grader_options
+from dsv4rl.reward.group_filter import parse_filter
 from dsv4rl.reward.judge import reply_parser, template_problem
 from dsv4rl.reward.rewarder import effective_fns
-from dsv4rl.targets import BUILTIN, TargetError, form, keyword_problem, looks_like_target, parse, resolve
+from dsv4rl.targets import (
+    BUILTIN,
+    TargetError,
+    form,
+    is_async,
+    keyword_problem,
+    looks_like_target,
+    parse,
+    resolve,
+)
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _URL = re.compile(r"https?://\S+")
@@ -42,6 +52,12 @@ def _check_number(add: Add, key: str, value: float | None, low: float, fix: str,
 
 def check_reward(cfg: Config, add: Add) -> None:
     """What can be checked from the recipe alone."""
+    spec = cfg.algo.oversample.filter
+    if spec and (spec.startswith(BUILTIN) or not looks_like_target(spec)):
+        try:
+            parse_filter(spec, ())
+        except TargetError as error:
+            add(str(error))
     r = cfg.reward
     names: list[str] = []
     weights: list[float] = []
@@ -171,6 +187,25 @@ def signature_problem(function: Callable[..., Any], kwargs: dict[str, Any], grou
     return None
 
 
+def filter_signature_problem(function: Callable[..., Any]) -> str | None:
+    """Why `function(group, rewards=...)` cannot be called as a group filter, or None."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    name = getattr(function, "__name__", "f")
+    if is_async(function):
+        return f"{name} is async; a filter runs in a worker process: define it with a plain `def`"
+    try:
+        signature.bind(object(), rewards=[])
+    except TypeError as error:
+        return (
+            f"{name}{signature} cannot be called as {name}(group, rewards=...) ({error}); define it as "
+            f"`def {name}(group: list[RewardInput], rewards: list[float]) -> bool`"
+        )
+    return None
+
+
 def check_reward_targets(cfg: Config, add: Add) -> None:
     """Each function's target on this machine: found, imported, named, callable as documented."""
     dirs = reward_base_dirs(cfg)
@@ -186,6 +221,16 @@ def check_reward_targets(cfg: Config, add: Add) -> None:
         problem = signature_problem(function, fn.kwargs, fn.group)
         if problem:
             add(f"{where}: target {fn.target!r}: {problem}")
+    spec = cfg.algo.oversample.filter
+    if spec and not spec.startswith(BUILTIN) and looks_like_target(spec):
+        try:
+            function = resolve(parse_filter(spec, dirs))
+        except TargetError as error:
+            add(str(error))
+        else:
+            problem = filter_signature_problem(function)
+            if problem:
+                add(f"algo.oversample.filter {spec!r}: {problem}")
     judge = cfg.reward.judge
     if judge.base_url and judge.parse != "number" and looks_like_target(judge.parse):
         try:

@@ -71,6 +71,17 @@ def check_algo(cfg: Config, add: Add) -> None:
             "algo.max_staleness=0 allows none: drop one of them (algo.max_staleness=1 is the same as "
             "algo.async_rollout=true)"
         )
+    o = a.oversample
+    if o.factor < 1:
+        add(f"algo.oversample.factor must be >= 1 (got {o.factor:g}): groups started per group a batch takes")
+    elif (o.factor > 1 or o.filter) and bound < 2:
+        add(
+            f"algo.oversample (factor {o.factor:g}, filter {o.filter or 'none'}) over-samples the fully "
+            f"asynchronous stream, but the staleness bound is {bound}: set algo.max_staleness=2 or more, or "
+            "over-sample synchronous steps with algo.dynamic_sampling.enabled=true"
+        )
+    if o.timeout_s <= 0:
+        add(f"algo.oversample.timeout_s must be > 0 (got {o.timeout_s:g})")
     if bound >= 1 and not (tis_on(a) or a.mis.enabled):
         add(
             f"{off_policy} trains on samples up to {bound} weight version(s) old, but algo.tis.enabled=false "

@@ -39,11 +39,16 @@ import torch
 from dsv4rl.aio import run_on
 from dsv4rl.algo.families import keep_groups, shape_rewards
 from dsv4rl.algo.staleness import admission_capacity, too_stale
+from dsv4rl.config.choices import ChatFormat
+from dsv4rl.config.compose import reward_base_dirs
 from dsv4rl.config.schema import Config
 from dsv4rl.data.chat_response import ResponseParts
 from dsv4rl.data.problems import Problem
 from dsv4rl.reward.combine import combine
+from dsv4rl.reward.group_filter import GroupFilter
 from dsv4rl.reward.results import Outcome
+from dsv4rl.rollout.reward_inputs import reward_inputs
+from dsv4rl.rollout.trajectory import final_turn_text
 from dsv4rl.samples import Sample
 from dsv4rl.train.driver import Driver
 from dsv4rl.train.rewarding import generate_and_score
@@ -91,6 +96,8 @@ class RolloutStream:
         self.driver = driver
         self.bound = bound
         self.per_step = cfg.algo.prompts_per_step
+        self.oversample = cfg.algo.oversample.factor
+        self.filter = GroupFilter.from_config(cfg.algo.oversample, reward_base_dirs(cfg))
         self.loop = driver.event_loop
         self.version = 0
         self.accepted = 0  # groups kept so far: trained or waiting (filtered and dropped ones are not)
@@ -147,6 +154,8 @@ class RolloutStream:
         try:
             run_on(self.loop, self._stop())
         finally:
+            if self.filter is not None:
+                self.filter.close()
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=30)
             self._thread = None
@@ -154,6 +163,8 @@ class RolloutStream:
     # ------------------------------------------------------------------ on the loop
     async def _start(self) -> None:
         self._changed = asyncio.Event()
+        if self.filter is not None:
+            await self.filter.start()
         self._producer = asyncio.ensure_future(self._produce())
         self._producer.add_done_callback(self._on_producer_done)
 
@@ -200,7 +211,7 @@ class RolloutStream:
     async def _produce(self) -> None:
         while True:
             capacity = admission_capacity(
-                self.bound, self.version, self.per_step, self.accepted, len(self.running)
+                self.bound, self.version, self.per_step, self.accepted, len(self.running), self.oversample
             )
             if capacity == 0 or self.error is not None:
                 self._changed.clear()
@@ -221,21 +232,32 @@ class RolloutStream:
             self._fail(task.exception())
 
     async def _generate(self, index: int, problem: Problem, engine: object) -> None:
-        cfg = self.cfg
-        nominal = index // self.per_step + 1  # the step it would be trained at, were groups in order
+        """One group: generated, scored, filtered, then kept in the buffer or set aside as rejected. It
+        counts as running until then, so admission never sees it in neither place."""
         try:
-            round_ = await generate_and_score(
-                cfg, self.driver, [problem], nominal, index, 0, calls_per_engine=1, clients=[engine]
-            )
+            group = await self._finished_group(index, problem, engine)
         finally:
             del self.running[index]
             if not self.running:
                 self._idle_since = time.monotonic()
             self._changed.set()
-        if any(s.finish_reason == "abort" for s in round_.samples):
+        if group is None:
             self.queue.appendleft((index, problem))  # a pause with mode abort ended it: generated again
             self.regenerated += 1
-            return
+        elif group.kept:
+            self.accepted += 1
+            self.buffer.append(group)
+        else:
+            self.rejected.append(group)
+
+    async def _finished_group(self, index: int, problem: Problem, engine: object) -> FinishedGroup | None:
+        cfg = self.cfg
+        nominal = index // self.per_step + 1  # the step it would be trained at, were groups in order
+        round_ = await generate_and_score(
+            cfg, self.driver, [problem], nominal, index, 0, calls_per_engine=1, clients=[engine]
+        )
+        if any(s.finish_reason == "abort" for s in round_.samples):
+            return None
         combined = combine(self.driver.rewards.specs, round_.outcomes)
         lengths = [len(s.response_ids) for s in round_.samples]
         rewards = shape_rewards(cfg.algo, combined.totals, lengths)
@@ -243,12 +265,12 @@ class RolloutStream:
             sample.reward, sample.excluded = reward, not scored
         keep = keep_groups(cfg.algo, rewards, torch.tensor(combined.scored))
         kept = keep is None or bool(keep[0])
-        group = FinishedGroup(index, problem, round_.samples, round_.outcomes, round_.parts, kept)
-        if kept:
-            self.accepted += 1
-            self.buffer.append(group)
-        else:
-            self.rejected.append(group)
+        if kept and self.filter is not None:
+            finals = [final_turn_text(self.driver.tokenizer, s) for s in round_.samples]
+            chat = cfg.data.chat_format != ChatFormat.none
+            inputs = reward_inputs(problem, round_.samples, round_.parts, nominal, 0, chat, finals)
+            kept = await self.filter.keep(inputs, rewards.tolist())
+        return FinishedGroup(index, problem, round_.samples, round_.outcomes, round_.parts, kept)
 
     async def _take(self, step: int) -> Taken:
         trained = step - 1
