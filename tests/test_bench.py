@@ -115,3 +115,19 @@ def test_reward_overlap_bench_quick(tmp_path: Path) -> None:
     assert overlap["median"]["samples"] == 64 and overlap["num_workers"] == 2
     assert overlap["median"]["serial_reward_s"] >= 64 * 0.05
     assert result["demo"] is None and result["meta"]["bench"] == "reward_overlap"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_async_long_tail_bench_quick(tmp_path: Path) -> None:
+    """Six steps of K=0 and of K=2 with partial rollouts on the long-tailed task: each run's figures come
+    from its own metrics, each ratio from the two runs of the same bench run."""
+    out = tmp_path / "async_long_tail.json"
+    proc = run_quick(BENCH.with_name("async_long_tail.py"), out, 280)
+    runs = json.loads(out.read_text())["runs"]
+    assert list(runs) == ["K=0", "K=2 partial"]
+    k0, k2 = runs["K=0"], runs["K=2 partial"]
+    assert k0["steps"] == k2["steps"] == 6 and k0["staleness_max"] == 0 and 0 < k2["staleness_max"] <= 2
+    assert k0["truncated_fraction"] > 0.1  # a tail at the 32-token cap
+    assert k2["samples_per_s_vs_k0"] == pytest.approx(k2["samples_per_s"] / k0["samples_per_s"])
+    assert "sync.pause_mode=in_place" in k2["overrides"] and "K=2 partial" in proc.stdout

@@ -149,6 +149,8 @@ def compose(recipe: str, overrides: list[str] | None = None, recipes_dir: Path |
         with initialize_config_dir(config_dir=str(recipe_file.parent), version_base=None, job_name="dsv4rl"):
             composed = hydra_compose(config_name=recipe_file.stem, overrides=overrides)
     except Exception as exc:  # Hydra and OmegaConf errors -> one readable message
+        if "Unexpected type for root: NoneType" in str(exc):
+            raise ConfigError(_null_section_message(recipe, overrides, groups)) from None
         raise ConfigError(_explain(exc, recipe, groups)) from None
 
     try:
@@ -297,6 +299,21 @@ def _omegaconf_cause(exc: BaseException) -> OmegaConfBaseException | None:
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def _null_section_message(recipe: str, overrides: list[str], groups: dict[str, list[str]]) -> str:
+    """Hydra's message for an override into a section the recipe leaves null (`eval: none`), made one that
+    names the override and the fix."""
+    keys = [text.split("=", 1)[0].lstrip("+~") for text in overrides if "=" in text]
+    nulls = [key for key in keys if "." in key and "none" in groups.get(key.split(".", 1)[0], [])]
+    if not nulls:
+        return f"recipe {recipe!r}: an override sets a key under a section this recipe leaves null"
+    section = nulls[0].split(".", 1)[0]
+    options = ", ".join(option for option in groups[section] if option != "none")
+    return (
+        f"recipe {recipe!r}: {nulls[0]} sets a key of `{section}`, which this recipe leaves null "
+        f"({section}: none): pick one first ({section}=<option>; options: {options}) or drop the override"
+    )
 
 
 def _explain(exc: BaseException, recipe: str, groups: dict[str, list[str]], from_hydra: bool = True) -> str:

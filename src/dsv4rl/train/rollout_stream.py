@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,7 +52,9 @@ from dsv4rl.samples import Sample
 from dsv4rl.train.driver import Driver
 from dsv4rl.train.rewarding import generate_and_score
 
-log = logging.getLogger(__name__)
+# A step that saw this many batches' worth of groups rejected by the filters, waiting for one batch, stops
+# the run: a filter that keeps nothing would otherwise generate forever.
+REJECTED_BATCHES_LIMIT = 10
 
 
 @dataclass
@@ -111,6 +112,7 @@ class RolloutStream:
         self.error: BaseException | None = None
         self._changed: asyncio.Event | None = None
         self._producer: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # the groups in flight
         self._thread: threading.Thread | None = None
         self._idle_since: float | None = None  # when the last group in flight came back
         self._idle_s = 0.0  # wall seconds with no group in flight since the last take
@@ -169,7 +171,7 @@ class RolloutStream:
         self._producer.add_done_callback(self._on_producer_done)
 
     async def _stop(self) -> None:
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        tasks = [t for t in (self._producer, *self._tasks) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -203,6 +205,13 @@ class RolloutStream:
                 self.next_index += 1
         return self.queue.popleft()
 
+    def _filter_names(self) -> str:
+        names = ["algo.dynamic_sampling"] if self.cfg.algo.dynamic_sampling.enabled else []
+        names += (
+            [f"algo.oversample.filter={self.cfg.algo.oversample.filter}"] if self.filter is not None else []
+        )
+        return " and ".join(names)
+
     def _least_busy(self) -> object:
         clients = self.driver.live_clients()
         load = collections.Counter(id(engine) for _, engine in self.running.values())
@@ -225,9 +234,11 @@ class RolloutStream:
                     self._idle_since = None
                 self.running[index] = (problem, engine)
                 task = asyncio.ensure_future(self._generate(index, problem, engine))
+                self._tasks.add(task)
                 task.add_done_callback(self._on_group_done)
 
     def _on_group_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             self._fail(task.exception())
 
@@ -285,10 +296,21 @@ class RolloutStream:
                 self._changed.set()
             if len(self.buffer) >= self.per_step:
                 break
+            finished = len(self.buffer) + len(self.rejected)
+            sampling = self.cfg.algo.dynamic_sampling
             # dynamic sampling's limit: after max_oversample_factor x the prompts, train on what was kept
-            factor = self.cfg.algo.dynamic_sampling.max_oversample_factor
-            if self.buffer and len(self.buffer) + len(self.rejected) >= factor * self.per_step:
+            if (
+                sampling.enabled
+                and self.buffer
+                and finished >= sampling.max_oversample_factor * self.per_step
+            ):
                 break
+            if len(self.rejected) >= REJECTED_BATCHES_LIMIT * self.per_step:
+                raise RuntimeError(
+                    f"the stream's filter rejected {len(self.rejected)} groups while step {step} waited for "
+                    f"{self.per_step} (it kept {len(self.buffer)}): {self._filter_names()} keeps (almost) "
+                    "nothing; check what it rejects in the rollout records (`dsv4rl rollouts`), or loosen it"
+                )
             self._changed.clear()
             await self._changed.wait()
         groups, self.buffer = self.buffer[: self.per_step], self.buffer[self.per_step :]
