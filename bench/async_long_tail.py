@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     return bench_main(
         __doc__, DEFAULT_OUT, "6 steps of K=0 and K=2 with partial rollouts", run, report, argv,
         extra_args=[(("--steps",), {"type": int, "default": 0, "help": "steps per run (100; --quick: 6)"}),
-                    (("--target",), {"type": float, "default": TARGET, "help": f"mean reward timed to ({TARGET})"})],
+                    (("--target",), {"type": float, "default": TARGET, "help": f"timed to ({TARGET})"})],
     )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ whether its weight post-processing can be repeated (`dsv4rl.quant.sglang_moe`).
 from __future__ import annotations
 
 import copy
+import math
 import shlex
 import socket
 from collections.abc import Iterable
@@ -259,27 +260,25 @@ def rollout_plan(cfg: Config) -> dict[str, Any]:
         "max_concurrent_tools": r.max_concurrent_tools,
         "max_tool_error_fraction": r.max_tool_error_fraction,
         # how far behind the trained weights a batch may be sampled, and the size of a batch held for it
-        "max_staleness": staleness_bound(cfg.algo),
-        "loop": loop_mode(staleness_bound(cfg.algo)),
-        "batch_samples": cfg.algo.prompts_per_step * cfg.algo.group_size,
-        # generated ahead of the trainer, in flight or finished and waiting (K + 1 batches when streaming)
-        "held_samples": held_batches(staleness_bound(cfg.algo))
-        * cfg.algo.prompts_per_step
-        * cfg.algo.group_size,
-        "pause_mode": cfg.sync.pause_mode.value if staleness_bound(cfg.algo) >= 2 else None,
+        **staleness_plan(cfg),
     }
 
 
-def loop_mode(bound: int) -> str:
-    """synchronous (K = 0), one_step_off_policy (K = 1: the next batch generates while one trains) or
-    fully_async (K >= 2: the engines generate throughout, `train/rollout_stream.py`)."""
-    return "synchronous" if bound == 0 else "one_step_off_policy" if bound == 1 else "fully_async"
-
-
-def held_batches(bound: int) -> int:
-    """Batches of samples the driver may hold beyond the one training: K <= 1 holds K; the stream admits
-    groups until K + 1 batches are running or waiting."""
-    return bound if bound <= 1 else bound + 1
+def staleness_plan(cfg: Config) -> dict[str, Any]:
+    """The loop the staleness bound K picks, and the samples the driver may hold for it beyond the batch
+    training: K <= 1 holds K batches; the stream runs and keeps up to K + 1 batches of groups
+    (`algo.oversample.factor` times as many running)."""
+    bound = staleness_bound(cfg.algo)
+    batch = cfg.algo.prompts_per_step * cfg.algo.group_size
+    factor = cfg.algo.oversample.factor if bound >= 2 else 1.0
+    held = bound * batch if bound <= 1 else math.ceil((bound + 1) * batch * factor)
+    return {
+        "max_staleness": bound,
+        "loop": "synchronous" if bound == 0 else "one_step_off_policy" if bound == 1 else "fully_async",
+        "batch_samples": batch,
+        "held_samples": held,
+        "pause_mode": cfg.sync.pause_mode.value if bound >= 2 else None,
+    }
 
 
 def _staleness_text(rollout: dict[str, Any]) -> str:
@@ -295,8 +294,8 @@ def _staleness_text(rollout: dict[str, Any]) -> str:
     return (
         f"loop: fully asynchronous (algo.max_staleness={bound}): the engines generate throughout, each step "
         f"takes finished groups at most {bound} versions old (older ones are dropped); up to "
-        f"{rollout['held_samples']} samples ({held_batches(bound)} batches of {samples}) in flight or "
-        f"waiting on the driver's host; pushes pause generation (sync.pause_mode={rollout['pause_mode']}); "
+        f"{rollout['held_samples']} samples (batches of {samples}) in flight or waiting on the driver's "
+        "host; pushes pause generation (sync.pause_mode={rollout['pause_mode']}); "
         "TIS/MIS correct for the staleness"
     )
 

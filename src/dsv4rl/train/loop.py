@@ -108,14 +108,14 @@ class RLLoop:
         self.saved_step: int | None = None  # the step of the last checkpoint this process wrote
         self.stopped_at: int | None = None  # the step boundary a graceful stop left the loop at
         self.restarts_on = restart_budget(cfg) > 0  # a lost engine: its requests resent, the group rebuilt
+        bound = staleness_bound(cfg.algo)
         # algo.max_staleness=1 (async_rollout): rank 0 generates the next step's batch while this one trains
         self.ahead = (
             RolloutAhead(lambda step: self.collect_batch(step, StepTimer(), background=True))
-            if staleness_bound(cfg.algo) == 1 and driver is not None
+            if bound == 1 and driver is not None
             else None
         )
         # algo.max_staleness >= 2: the engines generate without pause; each step takes finished groups
-        bound = staleness_bound(cfg.algo)
         self.stream = RolloutStream(cfg, driver, bound) if bound >= 2 and driver is not None else None
 
     # ----------------------------------------------------------------- setup

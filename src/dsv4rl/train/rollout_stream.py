@@ -5,9 +5,10 @@ trainer, and the trainer takes a batch as soon as enough finished groups are rea
   prompt's group at a time (`generate_and_score` of one problem, on the engine with the fewest groups in
   flight) while admission allows: accepted + running groups < (K + v + 1) x prompts_per_step, v the
   version the engines hold (AReaL's staleness manager), so no more is generated than the next K + 1
-  steps can train. A group the filter rejects frees its place.
-- A finished group is scored, its rewards shaped, and filtered (the family's dynamic-sampling filter, when
-  on: DAPO keeps groups whose rewards differ); kept groups wait in the buffer in the order they finished.
+  steps can train. A group the filter rejects frees its place; `algo.oversample.factor` runs that many
+  times the groups, for a filter that keeps about that share.
+- A finished group is scored, its rewards shaped, and filtered (the family's dynamic-sampling filter when
+  on, then `algo.oversample.filter`); kept groups wait in the buffer in the order they finished.
 - `take(step)` hands over the first prompts_per_step groups. One whose first token is more than K versions
   behind the weights it would train (version step - 1) is dropped and counted (Miles' guard: groups
   finish out of order), and its place goes to a new group.
