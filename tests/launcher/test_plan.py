@@ -474,9 +474,9 @@ def test_plan_shows_the_staleness_bound_and_the_batches_it_holds():
         "in_place",
     )
     assert "loop: fully asynchronous (algo.max_staleness=2)" in text and "up to 1536 samples" in text
+    assert "sync.pause_mode=in_place" in text
     rollout, _ = shown(["algo.max_staleness=2", "algo.oversample.factor=1.5"])  # 1.5 x the groups running
     assert rollout["held_samples"] == 2304
-    assert "sync.pause_mode=in_place" in text
 
 
 # ------------------------------------------------------------------------------------------- MoE path, dtype

@@ -295,7 +295,7 @@ def _staleness_text(rollout: dict[str, Any]) -> str:
         f"loop: fully asynchronous (algo.max_staleness={bound}): the engines generate throughout, each step "
         f"takes finished groups at most {bound} versions old (older ones are dropped); up to "
         f"{rollout['held_samples']} samples (batches of {samples}) in flight or waiting on the driver's "
-        "host; pushes pause generation (sync.pause_mode={rollout['pause_mode']}); "
+        f"host; pushes pause generation (sync.pause_mode={rollout['pause_mode']}); "
         "TIS/MIS correct for the staleness"
     )
 
