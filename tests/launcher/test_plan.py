@@ -502,6 +502,21 @@ def _flag(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
+def test_a_fully_asynchronous_in_place_run_starts_sglang_without_the_radix_cache() -> None:
+    """K >= 2 with in_place: pushes cannot flush the prefix cache while requests are held, so SGLang runs
+    without it (else new requests reuse prefix KV of the old weights); retract flushes, K = 1 pushes idle
+    engines: both keep it."""
+    from dsv4rl.config.compose import compose
+
+    def radix_off(*overrides: str) -> set[bool]:
+        cfg = compose("dapo_math", ["cluster.node_addrs=[a,b,c,d]", *overrides])
+        return {"--disable-radix-cache" in argv for argv in _engine_argvs(cfg)}
+
+    assert radix_off("algo.max_staleness=2", "sync.pause_mode=in_place") == {True}
+    assert radix_off("algo.max_staleness=2", "sync.pause_mode=retract") == {False}
+    assert radix_off("sync.pause_mode=in_place") == {False}  # dapo_math: K = 1
+
+
 def test_every_sglang_engine_of_the_reference_run_gets_dtype_and_moe_backend() -> None:
     """dapo_math (MI355X, aiter, fp8_rollout from the MXFP4 release): SGLang asserts auto under
     SGLANG_DSV4_FP4_DEQUANT=1; auto resolves to aiter, whose re-shuffle is not idempotent, so the plan says

@@ -39,6 +39,7 @@ PLANS = [
     ("dapo_math", ["cluster.device=h200", "parallel.rollout.data_parallel=8",
                    "parallel.rollout.expert_parallel=1", "algo.indexer_replay=true"]),
     ("dapo_math", ["engine.reproducible_sampling=true"]),
+    ("dapo_math", ["algo.max_staleness=2", "sync.pause_mode=in_place"]),
     *[("tiny_arith", [*TINY_ON_SGLANG, f"quant={quant}", *extra])
       for quant, extra in (("none", ["engine.dtype=float32"]), ("bf16", []),
                            ("fp8_rollout", ["engine.host=0.0.0.0"]))],
@@ -99,6 +100,7 @@ def test_sglang_parses_every_planned_engine_command(tmp_path: Path, sglang_sides
                 "enable_return_indexer_topk": cfg.algo.indexer_replay,
                 "enable_fp32_lm_head": cfg.engine.fp32_lm_head,
                 "enable_deterministic_inference": cfg.engine.reproducible_sampling,
+                "disable_radix_cache": "algo.max_staleness=2" in overrides,  # with in_place (planned so)
                 **({"api_key": keys.api_key, "admin_api_key": keys.admin_api_key}
                    if cfg.engine.host not in ("127.0.0.1", "localhost") else {"admin_api_key": None}),
                 "label": f"{recipe} {' '.join(overrides)} {process['name']}",

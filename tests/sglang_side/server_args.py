@@ -9,7 +9,7 @@ FIELDS = (
     "random_seed", "watchdog_timeout", "dtype", "moe_runner_backend", "mem_fraction_static",
     "max_running_requests", "api_key", "admin_api_key", "enable_return_routed_experts",
     "enable_return_indexer_topk", "enable_fp32_lm_head", "enable_memory_saver",
-    "enable_deterministic_inference", "kv_cache_dtype",
+    "enable_deterministic_inference", "kv_cache_dtype", "disable_radix_cache",
 )  # fmt: skip
 
 

@@ -33,7 +33,8 @@ from dsv4rl.launcher.plan import ProcessSpec
 __all__ = ["GENERATING_PHASES", "SilentEngineProbe", "requests_open", "silent_engines"]
 
 # The trainer's phases in which generate requests may be open (`train` and `wait_rollout`: with
-# algo.async_rollout the next batch generates while this one trains).
+# algo.max_staleness >= 1 the next batches generate while this one trains). The stream (K >= 2) also has
+# requests open in `sync` and `verify`, left out on purpose: a probe there may meet a weight update.
 GENERATING_PHASES = frozenset({"rollout", "reward", "eval", "train", "wait_rollout"})
 MISSES = 2  # probes in a row without an answer that make an engine hung: one may be a slow moment
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from dsv4rl.algo.staleness import staleness_bound
 from dsv4rl.config.choices import EngineNumerics, ProcessRole, RolloutEngineKind, SyncTransport, Task
 from dsv4rl.config.schema import Config
+from dsv4rl.config.sglang_choices import PauseMode
 from dsv4rl.engine_client.engine_keys import engine_keys_file, engines_need_keys
 from dsv4rl.launcher.engine_python import engine_python
 from dsv4rl.quant import sglang_moe
@@ -253,6 +254,11 @@ def sglang_argv(
         argv += ["--mem-fraction-static", f"{ro.mem_fraction_static:g}"]
     if ro.max_running_requests is not None:
         argv += ["--max-running-requests", str(ro.max_running_requests)]
+    if staleness_bound(cfg.algo) >= 2 and cfg.sync.pause_mode == PauseMode.in_place:
+        # A push with requests held in place cannot flush the prefix cache (SGLang refuses while a batch
+        # runs): new requests would reuse prefix KV the old weights computed. The reference run, fully
+        # asynchronous with in_place, ran without the radix cache too.
+        argv.append("--disable-radix-cache")
     return argv + _shared_engine_flags(cfg, run_dir)
 
 

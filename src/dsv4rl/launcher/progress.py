@@ -26,7 +26,7 @@ from rich.table import Table
 from dsv4rl.metrics import pace
 
 PHASES = ("rollout", "reward", "wait_rollout", "train", "sync", "verify", "eval")
-# With algo.async_rollout a step's rollout and reward ran while the step before trained: not in its time.
+# With algo.max_staleness >= 1 a step's rollout and reward ran while earlier steps trained: not in its time.
 BACKGROUND = ("rollout", "reward")
 SHOWN = (
     ("reward_mean", "reward"),

@@ -28,7 +28,7 @@ PHASE_ORDER = (
     "start", "resume", "rollout", "reward", "offload", "wait_batch", "train", "sync", "verify", "eval",
     "checkpoint", "shutdown",
 )  # fmt: skip
-# algo.async_rollout: rank 0 waits for the batch generating in the background, before its first step and
+# algo.max_staleness >= 1: rank 0 waits for the batch generating in the background, before a step and
 # after each train phase; either way it is where rank 0 stands while it has no batch to hand over
 SAME_PLACE = {"wait_rollout": "rollout"}
 # the trainer waits on the engines there
