@@ -207,7 +207,9 @@ def test_unknown_group_option_lists_options() -> None:
 
 def test_a_key_under_a_section_the_recipe_leaves_null_names_the_fix() -> None:
     with pytest.raises(ConfigError) as info:
-        compose("tiny_tool", ["eval.every_steps=0"])  # the recipe has eval: none
+        compose(
+            "tiny_tool", ["quant.block_size=[64,64]", "eval.every_steps=0"]
+        )  # eval: none (quant's sets no null)
     message = str(info.value)
     assert "eval.every_steps sets a key of `eval`, which this recipe leaves null (eval: none)" in message
     assert "eval=<option>; options: aime24" in message and "none," not in message

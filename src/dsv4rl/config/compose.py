@@ -150,7 +150,7 @@ def compose(recipe: str, overrides: list[str] | None = None, recipes_dir: Path |
             composed = hydra_compose(config_name=recipe_file.stem, overrides=overrides)
     except Exception as exc:  # Hydra and OmegaConf errors -> one readable message
         if "Unexpected type for root: NoneType" in str(exc):
-            raise ConfigError(_null_section_message(recipe, overrides, groups)) from None
+            raise ConfigError(_null_section_message(recipe, overrides, groups, root)) from None
         raise ConfigError(_explain(exc, recipe, groups)) from None
 
     try:
@@ -301,11 +301,16 @@ def _omegaconf_cause(exc: BaseException) -> OmegaConfBaseException | None:
     return None
 
 
-def _null_section_message(recipe: str, overrides: list[str], groups: dict[str, list[str]]) -> str:
+def _null_section_message(recipe: str, overrides: list[str], groups: dict[str, list[str]], root: Path) -> str:
     """Hydra's message for an override into a section the recipe leaves null (`eval: none`), made one that
     names the override and the fix."""
+
+    def nullable(section: str) -> bool:  # the group has an option that sets the whole section to null
+        option = root / section / "none.yaml"
+        return "none" in groups.get(section, []) and f"{section}: null" in option.read_text()
+
     keys = [text.split("=", 1)[0].lstrip("+~") for text in overrides if "=" in text]
-    nulls = [key for key in keys if "." in key and "none" in groups.get(key.split(".", 1)[0], [])]
+    nulls = [key for key in keys if "." in key and nullable(key.split(".", 1)[0])]
     if not nulls:
         return f"recipe {recipe!r}: an override sets a key under a section this recipe leaves null"
     section = nulls[0].split(".", 1)[0]
