@@ -16,7 +16,15 @@ from dsv4rl.checks.problems import Add
 from dsv4rl.config.choices import ChatFormat, RolloutEngineKind, TrainBackend
 from dsv4rl.config.schema import Config
 from dsv4rl.model.release_config import release_key_problems, sglang_problems
-from dsv4rl.model.tokenizer_files import ARITH_CHARS, DEEPSEEK_V4, has_tokenizer, tokenizer_dir_problems
+from dsv4rl.model.tokenizer_files import (
+    ARITH_CHARS,
+    BUILT_TOKENIZERS,
+    CHAT_TOKENS,
+    DEEPSEEK_V4,
+    V41_CHAT_TOKENS,
+    has_tokenizer,
+    tokenizer_dir_problems,
+)
 from dsv4rl.topology import LOOPBACK, engine_nodes, on_one_machine
 
 NODE_ADDRS_FIX = (
@@ -140,21 +148,34 @@ def check_model_layout(cfg: Config, add: Add) -> None:
 
 
 def check_chat_tokenizer_files(cfg: Config, add: Add) -> None:
-    """The tokenizer a run loads from a directory (model.path's own wins) has DeepSeek-V4's chat tokens when
-    a chat format needs them, and agrees with the packaged one under model.tokenizer=deepseek_v4."""
+    """The tokenizer a run loads (model.path's own wins) has the chat tokens its chat formats need
+    (DeepSeek-V4.1's adds <｜System｜>), and agrees with the packaged one under
+    model.tokenizer=deepseek_v4."""
     m = cfg.model
-    chat = ChatFormat.deepseek_v4 in (cfg.data.chat_format, cfg.eval.chat_format if cfg.eval else None)
+    formats = {cfg.data.chat_format, cfg.eval.chat_format if cfg.eval else None} - {None, ChatFormat.none}
+    chat, v41 = bool(formats), ChatFormat.deepseek_v41 in formats
     if m.path is not None and has_tokenizer(Path(m.path).expanduser()):
         directory = Path(m.path).expanduser()
-    elif m.tokenizer not in (ARITH_CHARS, DEEPSEEK_V4) and Path(m.tokenizer).expanduser().is_dir():
+    elif m.tokenizer not in BUILT_TOKENIZERS and Path(m.tokenizer).expanduser().is_dir():
         directory = Path(m.tokenizer).expanduser()
     else:
-        return  # arith_chars and the packaged tokenizer carry the chat tokens
-    for problem in tokenizer_dir_problems(directory, chat, m.tokenizer == DEEPSEEK_V4):
+        if v41 and m.tokenizer in (ARITH_CHARS, DEEPSEEK_V4):
+            keys = [f"{where}.chat_format" for where, section in (("data", cfg.data), ("eval", cfg.eval))
+                    if section is not None and section.chat_format == ChatFormat.deepseek_v41]  # fmt: skip
+            add(
+                f"{'/'.join(keys)}=deepseek_v41 opens every prompt with DeepSeek-V4.1's <｜System｜> token, "
+                f"which model.tokenizer={m.tokenizer} has not: use the V4.1 checkpoint's own tokenizer "
+                "(model.path with its tokenizer.json, or model.tokenizer=<that directory>), "
+                "model.tokenizer=arith_chars_v41 for the tiny model, or chat_format=deepseek_v4"
+            )
+        return  # the built tokenizers carry their chat tokens
+    chat_tokens = V41_CHAT_TOKENS if v41 else CHAT_TOKENS
+    model = "DeepSeek-V4.1" if v41 else "DeepSeek-V4"
+    for problem in tokenizer_dir_problems(directory, chat, m.tokenizer == DEEPSEEK_V4, chat_tokens):
         add(
-            f"{problem}: data.chat_format=deepseek_v4 and model.tokenizer=deepseek_v4 need DeepSeek-V4's "
-            "tokenizer; point model.path at a DeepSeek-V4 checkpoint, or use chat_format=none / "
-            "model.tokenizer=<that directory>"
+            f"{problem}: data.chat_format={'/'.join(sorted(formats)) or 'none'} and "
+            f"model.tokenizer={m.tokenizer} need {model}'s tokenizer; point model.path at a {model} "
+            "checkpoint, or use chat_format=none / model.tokenizer=<that directory>"
         )
 
 
@@ -173,7 +194,7 @@ def check_paths(cfg: Config, add: Add) -> None:
                 "model directory"
             )
     tok = m.tokenizer
-    path_like = tok not in (ARITH_CHARS, DEEPSEEK_V4) and tok != m.path and tok.startswith(("/", ".", "~"))
+    path_like = tok not in BUILT_TOKENIZERS and tok != m.path and tok.startswith(("/", ".", "~"))
     if path_like and not Path(tok).expanduser().is_dir():
         add(f"model.tokenizer {tok!r} does not exist: pass model.tokenizer=<tokenizer directory>")
     check_chat_tokenizer_files(cfg, add)

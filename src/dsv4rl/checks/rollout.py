@@ -9,6 +9,7 @@ from dsv4rl.checks.problems import Add
 from dsv4rl.config.choices import ChatFormat, RolloutMode
 from dsv4rl.config.compose import reward_base_dirs
 from dsv4rl.config.schema import Config, ToolConfig
+from dsv4rl.model.tokenizer_files import ARITH_CHARS, ARITH_CHARS_V41
 from dsv4rl.targets import TargetError
 
 MODES = ", ".join(RolloutMode)
@@ -47,10 +48,11 @@ def check_rollout(cfg: Config, add: Add) -> None:
             "rollout.max_new_tokens_per_turn")  # fmt: skip
     if mode == RolloutMode.tools:
         check_sandbox_timeouts(r.tools, add)
-    if cfg.data.chat_format == ChatFormat.deepseek_v4 and cfg.model.tokenizer == "arith_chars" and r.tools:
-        add("rollout.mode=tools with data.chat_format=deepseek_v4 writes DSML calls, which the tiny "
-            "character tokenizer cannot spell: use chat_format=none (the plain `?` call syntax) or "
-            "DeepSeek-V4's tokenizer (model.tokenizer=deepseek_v4)")  # fmt: skip
+    chars = cfg.model.tokenizer in (ARITH_CHARS, ARITH_CHARS_V41)
+    if cfg.data.chat_format != ChatFormat.none and chars and r.tools:
+        add(f"rollout.mode=tools with data.chat_format={cfg.data.chat_format} writes DSML calls, which the "
+            "tiny character tokenizer cannot spell: use chat_format=none (the plain `?` call syntax) or "
+            "the model's own tokenizer (model.tokenizer=deepseek_v4 for DeepSeek-V4)")  # fmt: skip
 
 
 def check_rollout_targets(cfg: Config, add: Add) -> None:

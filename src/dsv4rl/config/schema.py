@@ -151,7 +151,12 @@ class DataConfig:
     holdout: int = 0  # the file's last N rows are never trained on (eval=dapo_math_holdout scores them)
     chat_format: ChatFormat = ChatFormat.none
     thinking: bool = False  # deepseek_v4: the prompt ends with <think> (reason first) or </think> (answer)
-    reasoning_effort: ReasoningEffort | None = None  # deepseek_v4 with thinking; null: the encoder's default
+    reasoning_effort: ReasoningEffort | None = (
+        None  # deepseek_v4(1) with thinking; null: the encoder's default
+    )
+    # deepseek_v41 with thinking: the effort line's integer budget, 1-100 (SGLang's integer reasoning_effort);
+    # null: reasoning_effort's tier
+    reasoning_budget: int | None = None
     arith: ArithDataConfig = field(default_factory=ArithDataConfig)
 
 
@@ -289,9 +294,11 @@ class EvalConfig:
     prompt_template: str | None = None  # "{problem}" is replaced by the problem text; null: the text alone
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # How the eval's prompts are asked; null: as the recipe's data.chat_format / thinking / reasoning_effort
+    # / reasoning_budget
     chat_format: ChatFormat | None = None
     thinking: bool | None = None
     reasoning_effort: ReasoningEffort | None = None
+    reasoning_budget: int | None = None
     # recipe: graded by the recipe's reward (reward.fns, remote, judge; `dsv4rl eval` with no set named sets
     # it); a response passes when its weighted reward total reaches pass_reward (null: the weight sum of
     # the functions with a positive weight, every function's full score of 1.0)

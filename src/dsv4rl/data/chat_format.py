@@ -11,6 +11,13 @@ named `reasoning_effort` passed through). The encoder's ids are the prompt: engi
 With thinking on the prompt ends with `<｜Assistant｜><think>` (the model reasons first); off, with
 `<｜Assistant｜></think>` (it answers at once). The encoder's default effort in thinking mode ("high")
 adds a "Reasoning Effort: ..." preamble after BOS; `low` adds none.
+
+`deepseek_v41` is DeepSeek-V4.1's encoding (`DeepseekV41Encoding`, model name "DeepSeek-V4.1-Flash", as
+SGLang 0.5.23's renderer names it): the preamble opens a `<｜System｜>` turn and is an integer budget,
+"Reasoning Effort: N (range 1-100, ...)" (low 50, high 75, max 100); `reasoning_budget` sets any N as
+SGLang does for an integer `reasoning_effort`: the prompt is rendered at the `high` tier and the ids of
+"Reasoning Effort: 75" are replaced by those of "Reasoning Effort: N"
+(`DeepSeekRecipe._replace_effort_budget`).
 """
 
 from __future__ import annotations
@@ -23,12 +30,16 @@ from typing import Any
 from dsv4rl.config.choices import ChatFormat, ReasoningEffort
 from dsv4rl.config.schema import Config, DataConfig
 
-# SGLang 0.5.23 srt/parser/deepseek_recipe_renderer.py: MODEL_NAMES["dsv4"] and IMAGE_TOKEN
-RECIPE_MODEL = "DeepSeek-V4-Pro"
+# SGLang 0.5.23 srt/parser/deepseek_recipe_renderer.py: MODEL_NAMES, IMAGE_TOKEN, BUDGET_TIER and BUDGET_LINE
+RECIPE_MODELS = {ChatFormat.deepseek_v4: "DeepSeek-V4-Pro", ChatFormat.deepseek_v41: "DeepSeek-V4.1-Flash"}
 IMAGE_TOKEN = "<｜deepseek_image｜>"
+BUDGET_TIER, BUDGET_TIER_VALUE = ReasoningEffort.high, 75  # the tier a budget is rendered at, and its budget
+BUDGET_LINE = "Reasoning Effort: {budget}"
+BUDGET_RANGE = (1, 100)
 INSTALL_HINT = (
-    "data.chat_format=deepseek_v4 needs the deepseek-recipe package (DeepSeek's reference encoder): "
-    "pip install deepseek-recipe (it is a dependency of dsv4rl: reinstall with `make install`)"
+    "data.chat_format=deepseek_v4 (and deepseek_v41) needs the deepseek-recipe package (DeepSeek's "
+    "reference encoder): pip install deepseek-recipe (it is a dependency of dsv4rl: reinstall with "
+    "`make install`)"
 )
 
 
@@ -41,15 +52,21 @@ class ChatSettings:
     format: ChatFormat = ChatFormat.none
     thinking: bool = False
     reasoning_effort: ReasoningEffort | None = None
+    reasoning_budget: int | None = None  # deepseek_v41: the effort line's integer budget
+
+    @property
+    def is_chat(self) -> bool:
+        """Whether prompts are rendered by deepseek-recipe (any DeepSeek chat format)."""
+        return self.format != ChatFormat.none
 
     @property
     def starts_in_reasoning(self) -> bool:
         """Whether a response begins inside the thinking block (the prompt ended with <think>)."""
-        return self.format == ChatFormat.deepseek_v4 and self.thinking
+        return self.is_chat and self.thinking
 
 
 def data_chat_settings(data: DataConfig) -> ChatSettings:
-    return ChatSettings(data.chat_format, data.thinking, data.reasoning_effort)
+    return ChatSettings(data.chat_format, data.thinking, data.reasoning_effort, data.reasoning_budget)
 
 
 def eval_chat_settings(cfg: Config) -> ChatSettings:
@@ -59,10 +76,11 @@ def eval_chat_settings(cfg: Config) -> ChatSettings:
         return data_chat_settings(d)
     chat_format = e.chat_format if e.chat_format is not None else d.chat_format
     thinking = e.thinking if e.thinking is not None else d.thinking
-    effort = e.reasoning_effort
-    if effort is None and chat_format == d.chat_format and thinking == d.thinking:
-        effort = d.reasoning_effort  # the training prompts' effort, where the eval asks the same way
-    return ChatSettings(chat_format, thinking, effort)
+    effort, budget = e.reasoning_effort, e.reasoning_budget
+    if effort is None and budget is None and chat_format == d.chat_format and thinking == d.thinking:
+        # the training prompts' effort, where the eval asks the same way
+        effort, budget = d.reasoning_effort, d.reasoning_budget
+    return ChatSettings(chat_format, thinking, effort, budget)
 
 
 def settings_problems(settings: ChatSettings, where: str) -> list[str]:
@@ -70,14 +88,33 @@ def settings_problems(settings: ChatSettings, where: str) -> list[str]:
     problems = []
     if settings.format == ChatFormat.none and settings.thinking:
         problems.append(
-            f"{where}.thinking=true needs {where}.chat_format=deepseek_v4 (chat_format none has no thinking "
-            "block): set the chat format or thinking=false"
+            f"{where}.thinking=true needs {where}.chat_format=deepseek_v4 or deepseek_v41 (chat_format none "
+            "has no thinking block): set the chat format or thinking=false"
         )
     if settings.reasoning_effort is not None and not settings.starts_in_reasoning:
         problems.append(
-            f"{where}.reasoning_effort={settings.reasoning_effort} only applies with chat_format=deepseek_v4 "
+            f"{where}.reasoning_effort={settings.reasoning_effort} only applies with a DeepSeek chat format "
             "and thinking=true (the encoder renders no effort otherwise): set those or reasoning_effort=null"
         )
+    budget = settings.reasoning_budget
+    if budget is not None:
+        low, high = BUDGET_RANGE
+        if settings.format != ChatFormat.deepseek_v41 or not settings.thinking:
+            problems.append(
+                f"{where}.reasoning_budget={budget} only applies with chat_format=deepseek_v41 and "
+                "thinking=true (DeepSeek-V4 has named tiers only: reasoning_effort): set those or "
+                "reasoning_budget=null"
+            )
+        elif isinstance(budget, bool) or not low <= budget <= high:
+            problems.append(
+                f"{where}.reasoning_budget={budget} is outside DeepSeek-V4.1's budget range {low}-{high}: "
+                f"set an integer from {low} to {high}"
+            )
+        if settings.reasoning_effort is not None:
+            problems.append(
+                f"{where}.reasoning_effort={settings.reasoning_effort} and reasoning_budget={budget} both "
+                "set the effort line: keep one, set the other to null"
+            )
     return problems
 
 
@@ -96,8 +133,9 @@ def recipe_special_tokens(tokenizer: Any) -> Any:
     return recipe.SpecialTokens(bos=tokenizer.bos_token, eos=tokenizer.eos_token, image=IMAGE_TOKEN)
 
 
-def chat_special_tokens(tokenizer: Any) -> dict[str, str]:
-    """The spellings a one-turn DeepSeek-V4 chat and its response use: name -> spelling."""
+def chat_special_tokens(tokenizer: Any, chat_format: ChatFormat = ChatFormat.deepseek_v4) -> dict[str, str]:
+    """The spellings a one-turn chat of `chat_format` and its response use: name -> spelling (DeepSeek-V4.1
+    adds its system turn's token)."""
     recipe = _recipe()
     spelt = recipe_special_tokens(tokenizer)
     kinds = {
@@ -108,23 +146,31 @@ def chat_special_tokens(tokenizer: Any) -> dict[str, str]:
         "thinking_start": recipe.SpecialToken.ThinkingStart,
         "thinking_end": recipe.SpecialToken.ThinkingEnd,
     }
+    if chat_format == ChatFormat.deepseek_v41:
+        kinds["system"] = recipe.SpecialToken.System
     return {name: spelt.token(kind) for name, kind in kinds.items()}
 
 
-def check_chat_tokenizer(tokenizer: Any) -> dict[str, int]:
+def check_chat_tokenizer(tokenizer: Any, chat_format: ChatFormat = ChatFormat.deepseek_v4) -> dict[str, int]:
     """name -> id of every chat special token; ChatFormatError when one is not a single token."""
     ids, missing = {}, []
-    for name, spelling in chat_special_tokens(tokenizer).items():
+    for name, spelling in chat_special_tokens(tokenizer, chat_format).items():
         token_id = tokenizer.convert_tokens_to_ids(spelling)
         if token_id is None or token_id == tokenizer.unk_token_id and spelling != tokenizer.unk_token:
             missing.append(spelling)
         else:
             ids[name] = int(token_id)
     if missing:
+        sources = {
+            ChatFormat.deepseek_v4: "DeepSeek-V4's special tokens (model.tokenizer=deepseek_v4, the "
+            "checkpoint's own tokenizer, or the tiny model's arith_chars)",
+            ChatFormat.deepseek_v41: "DeepSeek-V4.1's special tokens, <｜System｜> among them (the "
+            "checkpoint's own tokenizer: the packaged deepseek_v4 one has no <｜System｜>; or the tiny "
+            "model's arith_chars_v41)",
+        }
         raise ChatFormatError(
-            f"the tokenizer has no single token for {missing}: data.chat_format=deepseek_v4 needs "
-            "DeepSeek-V4's special tokens (model.tokenizer=deepseek_v4, the checkpoint's own tokenizer, or "
-            "the tiny model's arith_chars), or chat_format=none"
+            f"the tokenizer has no single token for {missing}: data.chat_format={chat_format} needs "
+            f"{sources[chat_format]}, or chat_format=none"
         )
     return ids
 
@@ -143,29 +189,37 @@ class PromptRenderer:
         # function schemas ({"name", "description", "parameters"}) rendered into every prompt's tool block
         self.tools = [dict(schema) for schema in tools]
         self._encoding = None
-        if settings.format == ChatFormat.deepseek_v4:
-            self.token_ids = check_chat_tokenizer(tokenizer)
+        if settings.is_chat:
+            self.token_ids = check_chat_tokenizer(tokenizer, settings.format)
             recipe = _recipe()
             special = recipe_special_tokens(tokenizer)
             self.recipe = recipe
             self.special_tokens = special
+            self.model_name = RECIPE_MODELS[settings.format]
+            v41 = settings.format == ChatFormat.deepseek_v41
+            self.model_version = (
+                recipe.ModelVersion.DeepseekV41Flash if v41 else recipe.ModelVersion.DeepseekV4Pro
+            )
             self._options = recipe.ConversionOptions().with_special_tokens(special)
             backend = getattr(tokenizer, "backend_tokenizer", None)
             if backend is None:
                 raise ChatFormatError("deepseek-recipe needs a fast tokenizer (a tokenizer.json)")
+            self._backend = backend
             self.recipe_tokenizer = recipe.Tokenizer.from_str(backend.to_str())
-            encoding = recipe.DeepseekV4Encoding().with_special_tokens(special)
-            self._encoding = encoding.with_tokenizer(self.recipe_tokenizer)
+            encoding = recipe.DeepseekV41Encoding() if v41 else recipe.DeepseekV4Encoding()
+            self._encoding = encoding.with_special_tokens(special).with_tokenizer(self.recipe_tokenizer)
 
     def _conversation(self, prompt: str | list[dict[str, Any]]) -> Any:
         """As SGLang's DeepSeekRecipe.encode builds it: the request body through recipe's Chat
         Completions adapter (a problem's text is one user turn)."""
         body: dict[str, Any] = {
-            "model": RECIPE_MODEL,
+            "model": self.model_name,
             "messages": user_messages(prompt) if isinstance(prompt, str) else prompt,
             "thinking": {"type": "enabled" if self.settings.thinking else "disabled"},
         }
-        if self.settings.reasoning_effort is not None:
+        if self.settings.reasoning_budget is not None:
+            body["reasoning_effort"] = BUDGET_TIER.value  # its line is replaced by the budget's
+        elif self.settings.reasoning_effort is not None:
             body["reasoning_effort"] = self.settings.reasoning_effort.value
         if self.tools:
             body["tools"] = [{"type": "function", "function": schema} for schema in self.tools]
@@ -179,27 +233,54 @@ class PromptRenderer:
         if self._encoding is None:
             bos = self.tokenizer.bos_token or ""
             return prompt if prompt.startswith(bos) else bos + prompt
-        return self._encoding.render_conversation(self._conversation(prompt)).prompt
+        text = self._encoding.render_conversation(self._conversation(prompt)).prompt
+        if self.settings.reasoning_budget is None or not self.settings.thinking:
+            return text
+        tier, budget = (
+            BUDGET_LINE.format(budget=b) for b in (BUDGET_TIER_VALUE, self.settings.reasoning_budget)
+        )
+        if tier not in text:
+            raise ChatFormatError("deepseek-recipe rendered no reasoning effort line to put the budget in")
+        return text.replace(tier, budget, 1)
 
     def encode_messages(self, messages: list[dict[str, Any]]) -> list[int]:
         """A whole chat (system, user and assistant turns, as /v1/chat/completions gets it) as prompt ids;
-        deepseek_v4 only (ChatFormatError otherwise)."""
+        a DeepSeek chat format only (ChatFormatError otherwise)."""
         if self._encoding is None:
             raise ChatFormatError(
-                "rendering a chat needs chat_format=deepseek_v4 and a tokenizer with its tokens"
+                "rendering a chat needs chat_format=deepseek_v4 or deepseek_v41 and a tokenizer with its "
+                "tokens"
             )
-        return list(self._encoding.encode(self._conversation(messages)))
+        return self._encode(self._conversation(messages))
+
+    def _encode(self, conversation: Any) -> list[int]:
+        ids = list(self._encoding.encode(conversation))
+        if self.settings.reasoning_budget is None or not self.settings.thinking:
+            return ids
+        return self._with_budget(ids, self.settings.reasoning_budget)
+
+    def _with_budget(self, ids: list[int], budget: int) -> list[int]:
+        """SGLang's `_replace_effort_budget`: the first run of the tier line's ids becomes the budget's (the
+        effort line opens the prompt)."""
+        tier = self._backend.encode(
+            BUDGET_LINE.format(budget=BUDGET_TIER_VALUE), add_special_tokens=False
+        ).ids
+        for start in range(len(ids) - len(tier) + 1):
+            if ids[start : start + len(tier)] == tier:
+                line = self._backend.encode(BUDGET_LINE.format(budget=budget), add_special_tokens=False).ids
+                return ids[:start] + line + ids[start + len(tier) :]
+        raise ChatFormatError("deepseek-recipe rendered no reasoning effort line to put the budget in")
 
     def encode(self, prompts: Sequence[str]) -> list[list[int]]:
         """Each prompt's ids: chat_format none, BOS + the text's tokens (one tokenizer call for the batch);
-        deepseek_v4, the encoder's ids."""
+        a DeepSeek chat format, the encoder's ids."""
         if not prompts:
             return []
         if self._encoding is None:
             bos = self.tokenizer.bos_token_id
             encoded = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
             return [ids if bos is None or (ids and ids[0] == bos) else [bos, *ids] for ids in encoded]
-        return [list(self._encoding.encode(self._conversation(prompt))) for prompt in prompts]
+        return [self._encode(self._conversation(prompt)) for prompt in prompts]
 
 
 def _error_message(error: Any) -> str:

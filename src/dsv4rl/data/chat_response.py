@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4rl.config.choices import ChatFormat
-from dsv4rl.data.chat_format import RECIPE_MODEL, ChatSettings, PromptRenderer
+from dsv4rl.data.chat_format import ChatSettings, PromptRenderer
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -63,8 +63,8 @@ class ResponseParser:
             thinking_initial_stage=stage,
             special_tokens=self.renderer.special_tokens,
         )
-        request = recipe.ConversationRequest(recipe.Conversation(), recipe.ModelVersion.DeepseekV4Pro)
-        generator = recipe.ChatCompletionRequest.chunk_generator(request, "", RECIPE_MODEL)
+        request = recipe.ConversationRequest(recipe.Conversation(), self.renderer.model_version)
+        generator = recipe.ChatCompletionRequest.chunk_generator(request, "", self.renderer.model_name)
         processor = recipe.StreamProcessor(generator, options, self.renderer.recipe_tokenizer)
         chunks = processor.push(recipe.InferenceChunk.tokens(ids)) if ids else []
         chunks += processor.push(recipe.InferenceChunk.finish(recipe.InferenceFinishReason.Stop))

@@ -56,6 +56,7 @@ def prompt_report(cfg: Config, renderer: PromptRenderer, n: int, tokenizer_name:
         "chat_format": settings.format.value,
         "thinking": settings.thinking,
         "reasoning_effort": settings.reasoning_effort.value if settings.reasoning_effort else None,
+        "reasoning_budget": settings.reasoning_budget,
         "effort_line": effort_line(prompts[0]["text"]) if prompts else None,
         "tokenizer": tokenizer_name,
         "rollout_mode": cfg.rollout.mode.value,
@@ -74,9 +75,15 @@ def effort_line(text: str, words: int = 6) -> str | None:
 def render_prompts(report: dict[str, Any], console: Console) -> None:
     """The report as two rich tables: the first prompts, then the length distribution."""
     effort = ""
-    if report["chat_format"] == "deepseek_v4" and report["thinking"]:
+    if report["chat_format"] != "none" and report["thinking"]:
         line = report.get("effort_line")
-        effort = f", reasoning_effort={report['reasoning_effort']} ({line or 'no effort line'})"
+        budget = report.get("reasoning_budget")
+        setting = (
+            f"reasoning_budget={budget}"
+            if budget is not None
+            else f"reasoning_effort={report['reasoning_effort']}"
+        )
+        effort = f", {setting} ({line or 'no effort line'})"
     title = (
         f"{report['data']}: chat_format={report['chat_format']}, thinking={str(report['thinking']).lower()}"
         f"{effort}, tokenizer {report['tokenizer']}"

@@ -157,7 +157,7 @@ def evaluate_on_engines(
     responses = [[s.response_text for s in group] for group in by_problem]
     finals = [final_texts(renderer, group) for group in by_problem]  # single turn: the responses
     answer_parts, split, parts = (finals if multi is not None else None), {}, None
-    if renderer.settings.format == ChatFormat.deepseek_v4:  # graders read the answer part
+    if renderer.settings.is_chat:  # graders read the answer part
         parser = ResponseParser(renderer)
         parts = [
             [parser.parse(s.final_turn_ids, text) for s, text in zip(group, texts, strict=True)]
@@ -252,7 +252,7 @@ def evaluate_responses(
         )
     texts = [given[p.id] for p in graded]
     answer_parts, split = None, {}
-    if chat_format == ChatFormat.deepseek_v4:
+    if chat_format != ChatFormat.none:
         answer_parts = [[split_saved_response(text)[1] for text in group] for group in texts]
         split = {"chat_format": chat_format.value}
     if isinstance(grader, RecipeReward):

