@@ -4,6 +4,7 @@ them, and a model directory whose two key sets disagree (`dsv4rl.model.release_c
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,48 @@ def test_a_release_directory_is_read_as_the_release_states_it(tiny: Config, tmp_
     found: list[str] = []
     machine.check_model_layout(tiny, found.append)
     assert found == []
+
+
+def v41_config() -> dict:
+    """A DeepSeek-V4.1 config.json as its release nests it (SGLang 0.5.23 reads it through
+    srt/configs/deepseek_v41.py): the text model under `text_config`, V4.1's own keys beside V4's."""
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "text_config": {
+            "model_type": "deepseek_v41_text",
+            "hidden_size": 64,
+            "num_hidden_layers": 5,
+            "compress_ratios": [0, 2, 2, 1, 1],
+            "kv_source_layer_ids": [1, 3],
+            "index_source_layer_ids": [1],
+            "engram_layer_ids": [1],
+            "hc_pre_from_prev_sublayer": True,
+        },
+        "vision_config": {"model_type": "deepseek_v41_vision"},
+    }
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        (v41_config(), "holds DeepSeek-V4.1 (model_type 'deepseek_v41')"),
+        ({**v41_config(), "architectures": None, "model_type": None}, "holds DeepSeek-V4.1"),  # text_config's
+        ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "model_type is 'llama', not"),
+    ],
+)
+def test_a_model_directory_of_another_model_is_refused_before_any_process(
+    tiny: Config, tmp_path: Path, config: dict, named: str
+) -> None:
+    """A DeepSeek-V4.1 checkpoint (or any other model) given as model.path is refused by validation, with
+    what differs and the fix, instead of failing inside the trainer's load."""
+    from dsv4rl.checks.validate import validate
+    from dsv4rl.config.compose import ConfigError
+
+    directory = Path(materialize_model(ModelConfig(), str(tmp_path / "m")))
+    (directory / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    cfg = compose("tiny_arith", [f"model.path={directory}"])
+    with pytest.raises(ConfigError, match=re.escape(named)) as refused:
+        validate(cfg)
+    assert "point model.path at a DeepSeek-V4 checkpoint" in str(refused.value)
+    assert "compress_ratios[" not in str(refused.value)  # V4's key checks do not read another model's keys

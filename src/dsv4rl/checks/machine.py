@@ -15,7 +15,7 @@ from dsv4rl.checks.parallel import check_megatron_heads
 from dsv4rl.checks.problems import Add
 from dsv4rl.config.choices import ChatFormat, RolloutEngineKind, TrainBackend
 from dsv4rl.config.schema import Config
-from dsv4rl.model.release_config import release_key_problems, sglang_problems
+from dsv4rl.model.release_config import model_type_problem, release_key_problems, sglang_problems
 from dsv4rl.model.tokenizer_files import (
     ARITH_CHARS,
     BUILT_TOKENIZERS,
@@ -134,6 +134,10 @@ def check_model_layout(cfg: Config, add: Add) -> None:
     except (OSError, ValueError):
         return  # check_paths reports an unreadable model directory
     source = f"model.path {cfg.model.path!r}"
+    unbuilt = model_type_problem(config)
+    if unbuilt is not None:
+        add(f"{source}: {unbuilt}")
+        return  # the checks below read DeepSeek-V4's keys
     for problem in release_key_problems(config):
         add(f"{source}: its config.json's release keys and transformers' keys disagree: {problem}")
     if cfg.parallel.rollout.engine == RolloutEngineKind.sglang:

@@ -46,6 +46,7 @@ __all__ = [
     "LayerSchedule",
     "ReleaseConfigError",
     "check_release_keys",
+    "model_type_problem",
     "release_key_problems",
     "release_keys",
     "release_rope_scaling",
@@ -266,6 +267,36 @@ def _number_differs(a: Any, b: Any) -> bool:
         return float(a) != float(b)
     except (TypeError, ValueError):
         return a != b
+
+
+# What a DeepSeek-V4 config.json states (transformers' and the release's), and what DeepSeek-V4.1's do: SGLang
+# 0.5.23 reads V4.1 as model_type deepseek_v41 (or deepseek_v41_text inside `text_config`), its
+# architectures DeepseekV41ForCausalLM (srt/configs/deepseek_v41.py).
+V4_MODEL_TYPE = "deepseek_v4"
+V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
+V41_ARCHITECTURE = "DeepseekV41ForCausalLM"
+
+
+def model_type_problem(config: Mapping[str, Any]) -> str | None:
+    """Why dsv4rl cannot train the model `config` (a config.json) describes, naming the fix; None for
+    DeepSeek-V4, or a config that states no model_type."""
+    model_type = config.get("model_type")
+    text = config.get("text_config")
+    inner = text.get("model_type") if isinstance(text, Mapping) else None
+    if V41_ARCHITECTURE in (config.get("architectures") or []) or {model_type, inner} & set(V41_MODEL_TYPES):
+        return (
+            f"it holds DeepSeek-V4.1 (model_type {model_type!r}), which dsv4rl's trainer backends do not "
+            "build: V4.1 is another architecture (compress ratios 1 and 2 with shared compressors and "
+            "indexers, a candidate pool, mHC's lagged pre, Engram tables, 32 x 32 FP8 blocks; "
+            "docs/deepseek_v41.md), so its weights would not load into DeepSeek-V4's modules; point "
+            "model.path at a DeepSeek-V4 checkpoint"
+        )
+    if model_type is not None and model_type != V4_MODEL_TYPE:
+        return (
+            f"its model_type is {model_type!r}, not {V4_MODEL_TYPE!r}: dsv4rl trains DeepSeek-V4 models "
+            "only; point model.path at a DeepSeek-V4 checkpoint"
+        )
+    return None
 
 
 def release_key_problems(config: Mapping[str, Any]) -> list[str]:
