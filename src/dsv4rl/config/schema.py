@@ -150,10 +150,9 @@ class DataConfig:
     max_prompt_len: int = 1024
     holdout: int = 0  # the file's last N rows are never trained on (eval=dapo_math_holdout scores them)
     chat_format: ChatFormat = ChatFormat.none
-    thinking: bool = False  # deepseek_v4: the prompt ends with <think> (reason first) or </think> (answer)
-    reasoning_effort: ReasoningEffort | None = (
-        None  # deepseek_v4(1) with thinking; null: the encoder's default
-    )
+    thinking: bool = False  # deepseek_v4(1): the prompt ends with <think> (reason first) or </think>
+    # a DeepSeek chat format with thinking: the named tier; null: the encoder's default
+    reasoning_effort: ReasoningEffort | None = None
     # deepseek_v41 with thinking: the effort line's integer budget, 1-100 (SGLang's integer reasoning_effort);
     # null: reasoning_effort's tier
     reasoning_budget: int | None = None

