@@ -1,5 +1,5 @@
-"""Multi-turn tool use on DeepSeek-V4's tokenizer and DSML (`DsmlFormat` through deepseek-recipe): a
-trajectory built turn by turn from the engine's tokens is deepseek-recipe's encoding of the same
+"""Multi-turn tool use on DeepSeek-V4's tokenizer and DSML (`DsmlFormat` through deepseek-recipe), and in
+V4.1's format: a trajectory built turn by turn from the engine's tokens is deepseek-recipe's encoding of the same
 conversation, the loss mask covers exactly the sampled tokens, malformed calls come back as error
 results, and a render that is not append-only is caught (`rollout.tito_check`)."""
 
@@ -18,6 +18,7 @@ from dsv4rl.rollout.env import ToolEnv
 from dsv4rl.rollout.trajectory import TrajectoryRunner, generate_trajectories
 from dsv4rl.rollout.turn_format import DsmlFormat
 from dsv4rl.tools.base import ToolResult
+from v41_tokenizer import dsv41_tokenizer
 
 SCHEMA = {
     "name": "python",
@@ -155,6 +156,19 @@ def run(runner: TrajectoryRunner, engine: ScriptedEngine):
 
 
 def test_three_turn_trajectory_is_the_reference_encoding(ref):
+    check_three_turns(ref)
+
+
+def test_in_v41s_format_the_trajectory_is_v41s_reference_encoding():
+    """The same three turns in DeepSeek-V4.1's format (`<｜DSML｜ calls>` tags, the effort line in a system
+    turn), on a tokenizer with V4.1's `<｜System｜>`: still deepseek-recipe's encoding, append-only."""
+    settings = ChatSettings(ChatFormat.deepseek_v41, thinking=True, reasoning_effort=ReasoningEffort.high)
+    ref41 = Reference(PromptRenderer(dsv41_tokenizer(), settings, tools=[SCHEMA]))
+    assert "<｜DSML｜ calls>" in ref41.text(ref41.call_turn)
+    check_three_turns(ref41)
+
+
+def check_three_turns(ref: Reference) -> None:
     tool = FakePython()
     engine = ScriptedEngine([ref.call_turn, ref.answer_turn])
     sample = run(make_runner(ref, tool), engine)
