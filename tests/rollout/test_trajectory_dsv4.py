@@ -1,7 +1,7 @@
 """Multi-turn tool use on DeepSeek-V4's tokenizer and DSML (`DsmlFormat` through deepseek-recipe), and in
-V4.1's format: a trajectory built turn by turn from the engine's tokens is deepseek-recipe's encoding of the same
-conversation, the loss mask covers exactly the sampled tokens, malformed calls come back as error
-results, and a render that is not append-only is caught (`rollout.tito_check`)."""
+V4.1's format: a trajectory built turn by turn from the engine's tokens is deepseek-recipe's encoding of
+the same conversation, the loss mask covers exactly the sampled tokens, malformed calls come back as
+error results, and a render that is not append-only is caught (`rollout.tito_check`)."""
 
 from __future__ import annotations
 
