@@ -287,7 +287,7 @@ def model_type_problem(config: Mapping[str, Any]) -> str | None:
         return (
             f"it holds DeepSeek-V4.1 (model_type {model_type!r}), which dsv4rl's trainer backends do not "
             "build: V4.1 is another architecture (compress ratios 1 and 2 with shared compressors and "
-            "indexers, a candidate pool, mHC's lagged pre, Engram tables, 32 x 32 FP8 blocks; "
+            "indexers, a candidate pool, mHC's lagged pre, Engram tables, its own FP8 blocks; "
             "docs/deepseek_v41.md), so its weights would not load into DeepSeek-V4's modules; point "
             "model.path at a DeepSeek-V4 checkpoint"
         )
