@@ -25,3 +25,17 @@ def save_dsv41_tokenizer(directory: Path) -> Path:
     """The tokenizer's files in `directory` (a model directory's tokenizer.json); returns the json's path."""
     dsv41_tokenizer().save_pretrained(str(directory))
     return directory / "tokenizer.json"
+
+
+def tool_call_messages(problem: str) -> list[dict]:
+    """A user turn, an assistant turn that calls `python` (reasoning first), and the tool's result."""
+    call = {
+        "id": "x",
+        "type": "function",
+        "function": {"name": "python", "arguments": '{"code": "print(6*7)"}'},
+    }
+    return [
+        {"role": "user", "content": problem},
+        {"role": "assistant", "content": "", "reasoning_content": "Use the tool.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "x", "content": "42\n"},
+    ]

@@ -15,7 +15,7 @@ from dsv4rl.config.choices import ChatFormat, ReasoningEffort
 from dsv4rl.data.chat_format import ChatSettings, PromptRenderer
 from dsv4rl.rollout.turn_format import DsmlFormat
 from sglang_runner import needs_sglang
-from v41_tokenizer import dsv41_tokenizer, save_dsv41_tokenizer
+from v41_tokenizer import dsv41_tokenizer, save_dsv41_tokenizer, tool_call_messages
 
 pytestmark = [*needs_sglang, pytest.mark.slow]
 
@@ -75,16 +75,7 @@ def test_sglang_renders_the_v41_prompts_dsv4rl_sends(sglang_sides, tmp_path: Pat
 def test_sglang_reads_the_v41_tool_call_dsv4rl_writes_and_parses(sglang_sides) -> None:
     tok = dsv41_tokenizer()
     fmt = DsmlFormat(PromptRenderer(tok, ChatSettings(ChatFormat.deepseek_v41, True), tools=[SCHEMA]))
-    call = {
-        "id": "x",
-        "type": "function",
-        "function": {"name": "python", "arguments": '{"code": "print(6*7)"}'},
-    }
-    messages = [
-        {"role": "user", "content": PROBLEM},
-        {"role": "assistant", "content": "", "reasoning_content": "Use the tool.", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "x", "content": "42\n"},
-    ]
+    messages = tool_call_messages(PROBLEM)
     prompt, rendered = fmt.encode(messages[:1]), fmt.encode(messages)
     turn_ids = rendered[len(prompt) : rendered.index(tok.eos_token_id, len(prompt))]  # EOS off, as SGLang
     after_thinking = tok.decode(turn_ids).split("</think>", 1)[1]  # the detector reads the answer part

@@ -19,7 +19,7 @@ from dsv4rl.data.chat_response import ResponseParser
 from dsv4rl.model.tokenizer import build_char_tokenizer, load_tokenizer
 from dsv4rl.model.tokenizer_files import CHAT_TOKENS
 from dsv4rl.rollout.turn_format import DsmlFormat
-from v41_tokenizer import SYSTEM, dsv41_tokenizer
+from v41_tokenizer import SYSTEM, dsv41_tokenizer, tool_call_messages
 
 V41 = ChatFormat.deepseek_v41
 PROBLEM = "What is 6*7?"
@@ -109,16 +109,7 @@ def test_v41_tool_calls_are_written_and_read_in_v41s_tags(tok) -> None:
     renderer = PromptRenderer(tok, ChatSettings(V41, True), tools=[SCHEMA])
     fmt = DsmlFormat(renderer)
     assert renderer.encode([PROBLEM]) == [recipe_ids(tok, True, tools=True)[1]]
-    call = {
-        "id": "x",
-        "type": "function",
-        "function": {"name": "python", "arguments": '{"code": "print(6*7)"}'},
-    }
-    messages = [
-        {"role": "user", "content": PROBLEM},
-        {"role": "assistant", "content": "", "reasoning_content": "Use the tool.", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "x", "content": "42\n"},
-    ]
+    messages = tool_call_messages(PROBLEM)
     prompt, rendered = fmt.encode(messages[:1]), fmt.encode(messages)  # the call turn ends at EOS
     assert rendered[: len(prompt)] == prompt
     turn_ids = rendered[len(prompt) : rendered.index(tok.eos_token_id, len(prompt)) + 1]

@@ -204,7 +204,12 @@ class PromptRenderer:
             backend = getattr(tokenizer, "backend_tokenizer", None)
             if backend is None:
                 raise ChatFormatError("deepseek-recipe needs a fast tokenizer (a tokenizer.json)")
-            self._backend = backend
+            self._budget_ids = None  # (the tier line's ids, the budget line's ids), encoded once
+            if settings.reasoning_budget is not None:
+                self._budget_ids = tuple(
+                    backend.encode(BUDGET_LINE.format(budget=b), add_special_tokens=False).ids
+                    for b in (BUDGET_TIER_VALUE, settings.reasoning_budget)
+                )
             self.recipe_tokenizer = recipe.Tokenizer.from_str(backend.to_str())
             encoding = recipe.DeepseekV41Encoding() if v41 else recipe.DeepseekV4Encoding()
             self._encoding = encoding.with_special_tokens(special).with_tokenizer(self.recipe_tokenizer)
@@ -255,19 +260,16 @@ class PromptRenderer:
 
     def _encode(self, conversation: Any) -> list[int]:
         ids = list(self._encoding.encode(conversation))
-        if self.settings.reasoning_budget is None or not self.settings.thinking:
+        if self._budget_ids is None or not self.settings.thinking:
             return ids
-        return self._with_budget(ids, self.settings.reasoning_budget)
+        return self._with_budget(ids)
 
-    def _with_budget(self, ids: list[int], budget: int) -> list[int]:
+    def _with_budget(self, ids: list[int]) -> list[int]:
         """SGLang's `_replace_effort_budget`: the first run of the tier line's ids becomes the budget's (the
         effort line opens the prompt)."""
-        tier = self._backend.encode(
-            BUDGET_LINE.format(budget=BUDGET_TIER_VALUE), add_special_tokens=False
-        ).ids
+        tier, line = self._budget_ids
         for start in range(len(ids) - len(tier) + 1):
             if ids[start : start + len(tier)] == tier:
-                line = self._backend.encode(BUDGET_LINE.format(budget=budget), add_special_tokens=False).ids
                 return ids[:start] + line + ids[start + len(tier) :]
         raise ChatFormatError("deepseek-recipe rendered no reasoning effort line to put the budget in")
 
