@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from dsv4rl.tools.sandbox import runner
@@ -17,7 +18,11 @@ from dsv4rl.tools.sandbox.cgroups import find_parent
 from dsv4rl.tools.sandbox.isolation import SandboxFacts
 from dsv4rl.tools.sandbox.seccomp import SeccompUnavailable, kernel_has_seccomp, seccomp_program
 
-PROBE_UID = 0x7FFE0000  # the probe's uid; trajectories get their own (PythonTool.open)
+# A trial runs as PROBE_UID_BASE + the probing process's pid (pid_max is at most 2**22), and is cleaned up by
+# killing every process of that uid: with one uid for all, the ranks of a node probing at once killed each
+# other's trials and refused isolation at random. Trajectories get their own range (PythonTool.open).
+PROBE_UID_BASE = 0x7F000000
+_PROBING = threading.Lock()
 _SOURCE: str | None = None
 _DIRS: dict[str, list[str]] = {}
 _FACTS: dict[str, SandboxFacts] = {}
@@ -135,10 +140,10 @@ def _trial(
     """Run a small program in `mode`, as a trajectory would; (it worked, what went wrong)."""
     root = os.geteuid() == 0
     scratch = tempfile.mkdtemp(prefix="dsv4rl-py-probe-")
-    uid = PROBE_UID if root else None
+    uid = probe_uid() if root else None
     try:
-        if root:
-            os.chown(scratch, PROBE_UID, PROBE_UID)
+        if uid is not None:
+            os.chown(scratch, uid, uid)
         cfg = runner_config(
             mode,
             scratch,
@@ -166,17 +171,30 @@ def _trial(
             return False, repr(error)
         if out.returncode == 0 and out.stdout.strip() == b"ok":
             return True, ""
-        return False, (out.stdout + out.stderr).decode("utf-8", "replace").strip()[-400:]
+        ended = f"killed by {signal.Signals(-out.returncode).name}" if out.returncode < 0 else ""
+        said = (out.stdout + out.stderr).decode("utf-8", "replace").strip()[-400:]
+        return False, "; ".join(part for part in (ended, said) if part) or f"exit status {out.returncode}"
     finally:
-        if root:
-            kill_uid(PROBE_UID)
+        if uid is not None:
+            kill_uid(uid)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def probe_uid() -> int:
+    """This process's probe uid: its own, so that cleaning up after a trial kills no other process's trial."""
+    return PROBE_UID_BASE + os.getpid()
+
+
 def probe(python: str) -> SandboxFacts:
-    """What this node offers the sandbox of `python` (cached per interpreter)."""
-    if python in _FACTS:
+    """What this node offers the sandbox of `python` (cached per interpreter; one probe at a time per process,
+    since a trial's cleanup kills every process of the probe's uid)."""
+    with _PROBING:
+        if python not in _FACTS:
+            _FACTS[python] = _probe(python)
         return _FACTS[python]
+
+
+def _probe(python: str) -> SandboxFacts:
     unreadable = ""
     if os.geteuid() == 0:  # the trajectories' uids must read the interpreter: a common miss is /root (0700)
         unreadable = (
@@ -209,7 +227,7 @@ def probe(python: str) -> SandboxFacts:
     rlimits, rlimits_error = _trial(python, "rlimits", None, None, 0)
     rlimits_error += unreadable if rlimits_error else ""
     parent, cgroup_error = find_parent()
-    _FACTS[python] = SandboxFacts(
+    return SandboxFacts(
         root=os.geteuid() == 0,
         namespaces=namespaces,
         namespaces_error=ns_error,
@@ -223,4 +241,3 @@ def probe(python: str) -> SandboxFacts:
         cgroup=parent.describe() if parent else None,
         cgroup_error=cgroup_error,
     )
-    return _FACTS[python]
