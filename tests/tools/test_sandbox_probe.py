@@ -1,11 +1,11 @@
 """The probe of what a node offers the sandbox, and the runner's end: several processes probing at once
-(the ranks of a node) must not refuse isolation by killing each other's trials, and a program killed by
-SIGKILL ends its runner the same way, not in a traceback."""
+(the ranks of a node) must not refuse isolation by killing each other's trials (each trial claims its uid:
+tests/tools/test_sandbox_uids.py), and a program killed by SIGKILL ends its runner the same way, not in a
+traceback."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -16,7 +16,6 @@ import pytest
 
 from dsv4rl.tools.sandbox import probe
 
-SYSTEM_PYTHON = "/usr/bin/python3"  # readable by every uid, unlike a pyenv under /root
 PROBE = """
 import json, sys
 from dsv4rl.tools.sandbox.probe import probe
@@ -32,30 +31,6 @@ def test_processes_probing_at_once_all_get_the_nodes_answer():
     ]
     answers = [json.loads(run.communicate(timeout=120)[0]) for run in runs]
     assert all(answer["namespaces"] == alone.namespaces for answer in answers), answers
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="trials run under a uid of their own only as root")
-def test_a_trials_cleanup_spares_the_trial_of_another_process():
-    # a process running as the uid another process's probe uses, as its trial would be
-    other = subprocess.Popen(
-        ["sleep", "30"], preexec_fn=lambda: os.setuid(probe.PROBE_UID_BASE + os.getpid())
-    )
-    try:
-        assert probe.probe_uid() != probe.PROBE_UID_BASE + other.pid
-        # the namespaces mode where it works; else rlimits with an interpreter every uid can read
-        python, mode = (
-            (sys.executable, "namespaces")
-            if probe.probe(sys.executable).namespaces
-            else (SYSTEM_PYTHON, "rlimits")
-        )
-        if not os.path.exists(python):
-            pytest.skip(f"needs {SYSTEM_PYTHON} where namespaces do not work")
-        worked, error = probe._trial(python, mode, shutil.which("unshare"), None, 0)
-        assert worked, error
-        assert other.poll() is None, "this process's trial cleanup killed another process's trial"
-    finally:
-        other.kill()
-        other.wait()
 
 
 def modes() -> list[str]:

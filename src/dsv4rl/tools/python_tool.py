@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import random
 import shutil
 import signal
 import stat
@@ -37,9 +36,9 @@ from dsv4rl.tools.sandbox.cgroups import CallCgroup, find_parent
 from dsv4rl.tools.sandbox.isolation import IsolationPlan, SandboxFacts, plan_isolation, remote_plan
 from dsv4rl.tools.sandbox.runner import SETUP_FAILED, SUPERVISORS
 from dsv4rl.tools.sandbox.seccomp import seccomp_program
+from dsv4rl.tools.sandbox.uids import UidClaim, claim_uid
 
 log = logging.getLogger(__name__)
-_UID_BASE = 0x70000000  # trajectories' uids when run as root: _UID_BASE + a random 24-bit number
 _TERM_GRACE_S = 2.0  # after its deadline the runner gets this long to kill its descendants, then SIGKILL
 
 
@@ -50,11 +49,15 @@ def sandbox_facts(python: str | None = None) -> SandboxFacts:
 
 @dataclass
 class PythonState:
-    """One trajectory's sandbox: its scratch directory and (run as root) its own uid."""
+    """One trajectory's sandbox: its scratch directory and (run as root) a uid no other sandbox holds."""
 
     path: str
-    uid: int | None = None
+    claim: UidClaim | None = None
     active: int = 0
+
+    @property
+    def uid(self) -> int | None:
+        return self.claim.uid if self.claim else None
 
 
 class _Output:
@@ -173,18 +176,26 @@ class PythonTool:
         if self.remote is not None:
             return PythonState("")  # nothing on this node: each run is a fresh directory on the service
         path = tempfile.mkdtemp(prefix="dsv4rl-py-")
-        uid = None
+        claim = None
         if os.geteuid() == 0:
-            uid = _UID_BASE + random.randrange(1 << 24)
-            os.chown(path, uid, uid)
-        return PythonState(path, uid)
+            try:
+                claim = await asyncio.to_thread(claim_uid)
+                os.chown(path, claim.uid, claim.uid)
+            except BaseException:
+                if claim is not None:
+                    claim.release()
+                _remove(path)
+                raise
+        return PythonState(path, claim)
 
     async def close(self, state: PythonState) -> None:
         if not state.path:
             return
-        if state.uid is not None:
-            await asyncio.to_thread(sandbox.kill_uid, state.uid)
+        if state.claim is not None:
+            await asyncio.to_thread(sandbox.kill_uid, state.claim.uid)
         await asyncio.to_thread(_remove, state.path)
+        if state.claim is not None:  # only once its processes and files are gone
+            state.claim.release()
 
     async def call(self, state: PythonState, args: dict[str, Any]) -> ToolResult:
         code = args.get("code") if isinstance(args, dict) else None

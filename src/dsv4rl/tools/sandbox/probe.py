@@ -17,11 +17,8 @@ from dsv4rl.tools.sandbox import runner
 from dsv4rl.tools.sandbox.cgroups import find_parent
 from dsv4rl.tools.sandbox.isolation import SandboxFacts
 from dsv4rl.tools.sandbox.seccomp import SeccompUnavailable, kernel_has_seccomp, seccomp_program
+from dsv4rl.tools.sandbox.uids import claim_uid
 
-# A trial runs as PROBE_UID_BASE + the probing process's pid (pid_max is at most 2**22), and is cleaned up by
-# killing every process of that uid: with one uid for all, the ranks of a node probing at once killed each
-# other's trials and refused isolation at random. Trajectories get their own range (PythonTool.open).
-PROBE_UID_BASE = 0x7F000000
 _PROBING = threading.Lock()
 _SOURCE: str | None = None
 _DIRS: dict[str, list[str]] = {}
@@ -138,9 +135,12 @@ def _trial(
     python: str, mode: str, unshare: str | None, seccomp_bpf: str | None, abi: int
 ) -> tuple[bool, str]:
     """Run a small program in `mode`, as a trajectory would; (it worked, what went wrong)."""
-    root = os.geteuid() == 0
+    # as root the trial runs under a claimed uid, as a trajectory does: cleaning up after it kills every
+    # process of that uid, and with one fixed probe uid the ranks of a node probing at once killed each
+    # other's trials and refused isolation at random
+    claim = claim_uid() if os.geteuid() == 0 else None
+    uid = claim.uid if claim else None
     scratch = tempfile.mkdtemp(prefix="dsv4rl-py-probe-")
-    uid = probe_uid() if root else None
     try:
         if uid is not None:
             os.chown(scratch, uid, uid)
@@ -175,19 +175,15 @@ def _trial(
         said = (out.stdout + out.stderr).decode("utf-8", "replace").strip()[-400:]
         return False, "; ".join(part for part in (ended, said) if part) or f"exit status {out.returncode}"
     finally:
-        if uid is not None:
-            kill_uid(uid)
+        if claim is not None:
+            kill_uid(claim.uid)
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def probe_uid() -> int:
-    """This process's probe uid: its own, so that cleaning up after a trial kills no other process's trial."""
-    return PROBE_UID_BASE + os.getpid()
+        if claim is not None:
+            claim.release()
 
 
 def probe(python: str) -> SandboxFacts:
-    """What this node offers the sandbox of `python` (cached per interpreter; one probe at a time per process,
-    since a trial's cleanup kills every process of the probe's uid)."""
+    """What this node offers the sandbox of `python` (cached per interpreter, probed once per process)."""
     with _PROBING:
         if python not in _FACTS:
             _FACTS[python] = _probe(python)
