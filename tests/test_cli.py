@@ -73,7 +73,7 @@ def test_missing_recipe_lists_recipes(supervisor: list[Config]) -> None:
     assert result.exit_code == 2
     assert (
         "no recipe given" in result.output
-        and "dapo_math, dapo_math_h200, dapo_math_tir, tiny_arith" in result.output
+        and "dapo_math_tir, dapo_math_v41, dapo_math_v41_h200, tiny_arith" in result.output
     )
 
 

@@ -193,7 +193,7 @@ def test_unknown_recipe_lists_recipes() -> None:
     with pytest.raises(
         ConfigError,
         match="unknown recipe 'nope'; available recipes: dapo_math, dapo_math_h200, dapo_math_tir, "
-        "tiny_arith, tiny_tool",
+        "dapo_math_v41, dapo_math_v41_h200, tiny_arith, tiny_tool",
     ):
         compose("nope")
 

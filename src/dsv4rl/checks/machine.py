@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dsv4rl.checks.parallel import check_megatron_heads
 from dsv4rl.checks.problems import Add
-from dsv4rl.config.choices import ChatFormat, RolloutEngineKind, TrainBackend
+from dsv4rl.config.choices import ChatFormat, ModelArchitecture, RolloutEngineKind, TrainBackend
 from dsv4rl.config.schema import Config
 from dsv4rl.model.release_config import model_type_problem, release_key_problems, sglang_problems
 from dsv4rl.model.tokenizer_files import (
@@ -119,6 +119,19 @@ def check_transformer_engine(cfg: Config, add: Add) -> None:
     problem = transformer_engine_problem(cfg)
     if problem is not None:
         add(problem)
+
+
+def check_buildable_model(cfg: Config, add: Add) -> None:
+    """A run needs its model built in the trainers: DeepSeek-V4.1 is planned (`dsv4rl plan`, which shows
+    this refusal as what `dsv4rl train` would stop on) but not yet built, so its runs stop here."""
+    if cfg.model.architecture == ModelArchitecture.deepseek_v41:
+        add(
+            "model.architecture=deepseek_v41: dsv4rl's trainers do not build DeepSeek-V4.1 yet (its ratio-1 "
+            "and ratio-2 attention with shared compressors and indexers, the candidate pool, FP4 indexing, "
+            "the lagged mHC and Engram; docs/deepseek_v41.md has what is built and what is not), so no run "
+            "of it can start; `dsv4rl plan` sizes a cluster for it. Until then train DeepSeek-V4 "
+            "(model=deepseek_v4_flash)"
+        )
 
 
 def check_model_layout(cfg: Config, add: Add) -> None:

@@ -15,6 +15,7 @@ from dsv4rl.config.choices import (
     GraderName,
     LoggerKind,
     LRSchedule,
+    ModelArchitecture,
     OptimizerName,
     RolloutEngineKind,
 )
@@ -233,6 +234,35 @@ def check_model(cfg: Config, add: Add) -> None:
             add(f"model.num_hidden_layers must be >= 1 (got {m.num_hidden_layers})")
         if m.n_routed_experts is not None and m.n_routed_experts < 1:
             add(f"model.n_routed_experts must be >= 1 (got {m.n_routed_experts})")
+    _check_architecture_facts(cfg, add)
+
+
+# The compress ratios each family's layers take (DeepSeek-V4: sliding, CSA, HCA; V4.1: sliding, 1, 2)
+ARCHITECTURE_RATIOS = {ModelArchitecture.deepseek_v4: (0, 4, 128), ModelArchitecture.deepseek_v41: (0, 1, 2)}
+
+
+def _check_architecture_facts(cfg: Config, add: Add) -> None:
+    """The planning facts agree with `model.architecture` (a V4 recipe with V4.1's ratios or Engram would
+    plan a model that does not exist)."""
+    m = cfg.model
+    allowed = ARCHITECTURE_RATIOS[m.architecture]
+    if m.compress_ratios is not None:
+        wrong = sorted(set(m.compress_ratios) - set(allowed))
+        if wrong:
+            add(
+                f"model.compress_ratios has {wrong}, which model.architecture={m.architecture} layers do not "
+                f"take (they take {list(allowed)}): fix the ratios or the architecture"
+            )
+        if m.num_hidden_layers is not None and len(m.compress_ratios) != m.num_hidden_layers:
+            add(
+                f"model.compress_ratios lists {len(m.compress_ratios)} layers but model.num_hidden_layers="
+                f"{m.num_hidden_layers}: give one ratio per backbone layer (not the MTP layers)"
+            )
+    if m.engram_params_b is not None and m.architecture != ModelArchitecture.deepseek_v41:
+        add(
+            f"model.engram_params_b is DeepSeek-V4.1's (its Engram tables); model.architecture="
+            f"{m.architecture} has none: remove it or set model.architecture=deepseek_v41"
+        )
 
 
 def _check_tiny_release_keys(cfg: Config, add: Add) -> None:

@@ -74,8 +74,9 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     """Raise ConfigError listing every impossible setting of `cfg`.
 
     `check_paths=False` skips the checks that read this machine or its environment (model, tokenizer
-    and data paths; a real master address for multi-node runs), so a cluster recipe can be composed
-    and inspected anywhere (`dsv4rl train --cfg`).
+    and data paths; a real master address for multi-node runs) and whether the model is built to run (a
+    planned-only architecture), so a cluster recipe can be composed, inspected and planned anywhere
+    (`dsv4rl train --cfg`, `dsv4rl plan`).
     """
     problems: list[str] = []
     for check in _CHECKS:
@@ -83,6 +84,7 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     if not problems:  # the memory plan needs a layout that divides
         check_memory_budget(cfg, problems.append)
     if check_paths:
+        machine.check_buildable_model(cfg, problems.append)
         machine.check_paths(cfg, problems.append)
         check_checkpoint_format(cfg, problems.append)
         machine.check_model_layout(cfg, problems.append)

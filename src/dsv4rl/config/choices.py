@@ -43,6 +43,15 @@ class ProcessRole(Choice):
     trainer = "trainer"
 
 
+class ModelArchitecture(Choice):
+    """The model family a recipe's model belongs to (`model.architecture`)."""
+
+    deepseek_v4 = "deepseek_v4"
+    # DeepSeek-V4.1 (docs/deepseek_v41.md): planned (`dsv4rl plan`); the trainers do not build it yet, so a
+    # run of it is refused before any process starts
+    deepseek_v41 = "deepseek_v41"
+
+
 class TrainBackend(Choice):
     fsdp = "fsdp"
     megatron = "megatron"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dsv4rl.config.choices import Dtype
+from dsv4rl.config.choices import Dtype, ModelArchitecture
 
 # The layer kinds transformers' DeepseekV4Config accepts (recipes name them in model.tiny).
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -52,6 +52,7 @@ class TinyModelConfig:
 @dataclass
 class ModelConfig:
     name: str = "tiny_dsv4"
+    architecture: ModelArchitecture = ModelArchitecture.deepseek_v4
     # Hugging Face model directory. null: build the tiny model from `tiny` with `init_seed`.
     path: str | None = None
     # "arith_chars" (built by dsv4rl; "arith_chars_v41" with DeepSeek-V4.1's <｜System｜> token),
@@ -75,3 +76,8 @@ class ModelConfig:
     num_experts_per_tok: int | None = None
     n_shared_experts: int | None = None
     hc_mult: int | None = None  # mHC residual streams
+    # The backbone layers' compress_ratios (config.json), for the attention's share of the memory plan; null:
+    # DeepSeek-V4's release pattern (2 sliding layers, then CSA and HCA alternating)
+    compress_ratios: list[int] | None = None
+    # Parameters held frozen and never pushed (DeepSeek-V4.1's Engram tables, FP8 as released), billions
+    engram_params_b: float | None = None

@@ -15,6 +15,11 @@ S/4 compressed entries and on HCA layers all S/128 of them, plus a sink. The two
 The per-token counts below are the module's own tensors at a layer's peak, fitted at tiny dimensions by
 `bench/attention_memory.py` (torch's allocator events) and checked there against varied heads, head
 size and hidden size; tests/estimate/test_attention.py holds the formula to the measurement.
+
+DeepSeek-V4.1's ratio-1 and ratio-2 layers (`c1`, `c2`) are costed as CSA layers whose indexer picks its
+top-k from S/1 or S/2 compressed entries, each with a compressor of its own (`c2`: kv and gate, as CSA's).
+No trainer builds them yet, so nothing measured them: in V4.1 only the KV-source layers compress and the
+others reuse their latents, so charging every layer a compressor errs on the high side.
 """
 
 from __future__ import annotations
@@ -38,6 +43,12 @@ class LayerType(StrEnum):
     sliding = "sliding"
     csa = "csa"
     hca = "hca"
+    c1 = "c1"  # DeepSeek-V4.1, compress ratio 1: one latent per token, top-k by the indexer
+    c2 = "c2"  # DeepSeek-V4.1, compress ratio 2: one latent per token pair, top-k by the indexer
+
+
+RATIO_TYPES = {0: LayerType.sliding, 4: LayerType.csa, 128: LayerType.hca, 1: LayerType.c1, 2: LayerType.c2}
+INDEXED = (LayerType.csa, LayerType.c1, LayerType.c2)  # a query sees the indexer's top-k of the entries
 
 
 @dataclass(frozen=True)
@@ -59,14 +70,14 @@ class AttentionShape:
 
     def entries(self, layer_type: LayerType, seq_len: int) -> int:
         """Compressed entries of a sequence (0 on sliding layers)."""
-        if layer_type == LayerType.sliding:
-            return 0
-        return seq_len // (self.csa_ratio if layer_type == LayerType.csa else self.hca_ratio)
+        ratio = {LayerType.sliding: 0, LayerType.csa: self.csa_ratio, LayerType.hca: self.hca_ratio,
+                 LayerType.c1: 1, LayerType.c2: 2}[layer_type]  # fmt: skip
+        return seq_len // ratio if ratio else 0
 
     def entries_seen(self, layer_type: LayerType, seq_len: int) -> int:
-        """The most entries one query attends to: CSA's top-k of the visible ones, HCA all visible."""
+        """The most entries one query attends to: the indexer's top-k of the visible ones, HCA all visible."""
         entries = self.entries(layer_type, seq_len)
-        return min(self.index_topk, entries) if layer_type == LayerType.csa else entries
+        return min(self.index_topk, entries) if layer_type in INDEXED else entries
 
 
 def release_layer_types(layers: int) -> list[LayerType]:
@@ -76,15 +87,28 @@ def release_layer_types(layers: int) -> list[LayerType]:
     return head + [LayerType.csa if i % 2 == 0 else LayerType.hca for i in range(layers - len(head))]
 
 
+def layer_types(compress_ratios: tuple[int, ...] | None, layers: int) -> list[LayerType]:
+    """Each backbone layer's type from its compress ratio; DeepSeek-V4's release pattern without ratios."""
+    if compress_ratios is None:
+        return release_layer_types(layers)
+    unknown = sorted(set(compress_ratios) - set(RATIO_TYPES))
+    if unknown or len(compress_ratios) != layers:
+        raise ValueError(
+            f"model.compress_ratios must give each of the {layers} layers one of {sorted(RATIO_TYPES)}; "
+            f"got {len(compress_ratios)} entries" + (f" with {unknown}" if unknown else "")
+        )
+    return [RATIO_TYPES[ratio] for ratio in compress_ratios]
+
+
 def per_token_bytes(shape: AttentionShape, layer_type: LayerType, value_bytes: float, tp: int = 1) -> float:
     """What a layer keeps for backward per token outside the scores (heads split over TP)."""
     heads = shape.heads / tp
     values = PER_TOKEN_HEADS * heads * shape.head_dim + PER_TOKEN_HIDDEN * shape.hidden
     values += PER_TOKEN_KV * shape.head_dim
     if layer_type != LayerType.sliding:
-        width = 2 * shape.head_dim if layer_type == LayerType.csa else shape.head_dim
+        width = 2 * shape.head_dim if layer_type in (LayerType.csa, LayerType.c2) else shape.head_dim
         values += COMPRESSOR_COPIES * width
-    extra = INDEX_BYTES * shape.index_topk if layer_type == LayerType.csa else 0
+    extra = INDEX_BYTES * shape.index_topk if layer_type in INDEXED else 0
     return value_bytes * values + extra
 
 
@@ -105,7 +129,7 @@ def sparse_chunk_bytes(
     """One chunk's work, alive while it runs (float32: the core computes in float32)."""
     chunk = min(query_chunk, seq_len)
     seen = shape.entries_seen(layer_type, seq_len)
-    gathered = shape.window + (seen if layer_type == LayerType.csa else 0)
+    gathered = shape.window + (seen if layer_type in INDEXED else 0)
     keys = GATHER_COPIES * chunk * gathered * shape.head_dim * 4
     scores = CHUNK_SCORE_COPIES * shape.heads / tp * chunk * (shape.window + seen + 1) * 4
     return keys + scores

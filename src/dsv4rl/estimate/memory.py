@@ -18,12 +18,15 @@ Training GPU (the Megatron engine, one entry per pipeline stage; its worst GPU i
   layer's scores at a time. The last stage adds fp32 logits and their log-softmax (8 bytes x vocab / TP);
 - overhead: `TRAIN_OVERHEAD_GB` for the runtime context, communicator buffers and allocator slack (an
   allowance, not derived);
-- reference weights: with `algo.kl_coef > 0` the trainer holds a frozen copy of its weights (the KL term).
+- reference weights: with `algo.kl_coef > 0` the trainer holds a frozen copy of its weights (the KL term);
+- frozen weights: DeepSeek-V4.1's Engram tables, FP8 as released, split by rows over every trainer rank
+  (no gradients, no optimizer state; an assumption: no trainer builds V4.1 yet).
 The FSDP engine shards weights, gradients and Adam moments (model.dtype) over every rank and gathers two
 layers at a time (the one running and the one prefetched).
 
 Rollout GPU (SGLang): the engine holds the weights in `quant`'s format, split over its TP ranks (experts
-by EP, or by TP inside an EP group: TP-wide either way; dense over TP / attention DP). SGLang gives the
+by EP, or by TP inside an EP group: TP-wide either way; dense over TP / attention DP), and the Engram
+tables in FP8 over its TP ranks (SGLang can also keep them in host memory: not counted). SGLang gives the
 KV cache what is free after loading minus (1 - mem_fraction_static) x device memory, so the static
 budget mem_fraction_static x device holds the weights and the KV cache; the rest is its headroom.
 
@@ -46,13 +49,14 @@ from dsv4rl.config.schema import Config
 from dsv4rl.estimate.attention import (
     AttentionShape,
     dense_score_bytes_per_token,
+    layer_types,
     per_token_bytes,
-    release_layer_types,
     sparse_chunk_bytes,
 )
 from dsv4rl.estimate.devices import GB, device_spec
 from dsv4rl.estimate.params import (
     DTYPE_BYTES,
+    ENGRAM_BYTES,
     ModelShape,
     StageParams,
     format_bytes,
@@ -139,13 +143,14 @@ def layer_activations(
     attention: AttentionImpl = AttentionImpl.sparse,
     query_chunk: int = 256,
 ) -> LayerActivations:
-    """The layer mix's average (DeepSeek-V4's sliding, CSA and HCA layers) of what a layer keeps; the
-    attention's part from `estimate/attention.py` (measured per layer type by bench/attention_memory.py)."""
+    """The layer mix's average (the model's compress ratios: DeepSeek-V4's sliding, CSA and HCA layers,
+    V4.1's ratio 1 and 2) of what a layer keeps; the attention's part from `estimate/attention.py`
+    (measured per layer type by bench/attention_memory.py)."""
     h = shape.hidden
     replicated = 2 * (shape.hc_mult + 1) * h + 2 * h
     experts = (shape.experts_per_token + shape.shared_experts) * (h + 3 * shape.moe_intermediate)
     geometry = attention_shape(shape)
-    types = release_layer_types(shape.layers)
+    types = layer_types(shape.compress_ratios, shape.layers)
     attention_tensors = sum(per_token_bytes(geometry, t, value_bytes, tp) for t in types) / len(types)
     if attention == AttentionImpl.dense:
         scores = sum(dense_score_bytes_per_token(geometry, t, seq_len, tp) for t in types) / len(types)
@@ -192,7 +197,8 @@ def engine_weights_gb(shape: ModelShape, cfg: Config) -> float:
     dense = (
         shape.layers * shape.dense_params_per_layer * fmt.dense + 2 * shape.embedding_params * fmt.embedding
     )
-    return (experts + dense / dense_ranks) / GB
+    frozen = shape.frozen_params * ENGRAM_BYTES / max(1, ro.tensor_parallel)
+    return (experts + dense / dense_ranks + frozen) / GB
 
 
 # ------------------------------------------------------------------------------------------- the GPUs
@@ -260,6 +266,8 @@ def _trainer_parts(cfg: Config, shape: ModelShape) -> list[tuple[StageParams | N
         }
         if cfg.algo.kl_coef > 0:
             components["reference_weights"] = shape.total_params * value_bytes / world / GB
+        if shape.frozen_params:
+            components["frozen_weights"] = shape.frozen_params * ENGRAM_BYTES / world / GB
         return [(None, components, {"params_b": shape.total_params / world / 1e9})]
     dp = data_parallel_size(cfg)
     expert_dp = max(1, world // (t.pipeline_parallel * t.expert_parallel * t.expert_tensor_parallel))
@@ -291,6 +299,8 @@ def _trainer_parts(cfg: Config, shape: ModelShape) -> list[tuple[StageParams | N
         }
         if cfg.algo.kl_coef > 0:
             components["reference_weights"] = params * value_bytes / GB
+        if shape.frozen_params:
+            components["frozen_weights"] = shape.frozen_params * ENGRAM_BYTES / world / GB
         details = {
             "params_b": params / 1e9,
             "layers": sp.layers,

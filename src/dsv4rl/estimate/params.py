@@ -5,7 +5,9 @@ The routed experts are counted from the shapes (experts x 3 matrices w1/w2/w3 of
 moe_intermediate per layer: 277.0 B for DeepSeek-V4-Flash, its published count); embedding and head are
 vocab x hidden each (not tied); what is left of `total_params_b` is the dense part of the layers
 (attention, compressors, indexer, router, shared expert, norms, mHC), spread evenly over the layers. The
-MTP block is not in the total and not counted.
+MTP block is not in the total and not counted. DeepSeek-V4.1's Engram tables (`model.engram_params_b`) are
+not in the total either: they stay frozen, in FP8 as released (one E8M0 scale per 32 values), and are
+never pushed.
 
 Weight formats (the engines hold what `quant` sends, see the README's table): FP8 e4m3 is one byte a
 value plus one scale per 128x128 tile (counted at 4 bytes, the widest scale dtype); MXFP4 half a byte plus
@@ -37,6 +39,7 @@ SHAPE_KEYS = (
 DTYPE_BYTES = {Dtype.float32: 4, Dtype.bfloat16: 2}
 FP8_TILE = 128 * 128
 MXFP4_BLOCK = 32
+ENGRAM_BYTES = 1 + 1 / 32  # an FP8 value and its share of the row's E8M0 scale per 32 (264 B a 256-wide row)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class ModelShape:
     experts_per_token: int
     shared_experts: int
     hc_mult: int
+    compress_ratios: tuple[int, ...] | None = None  # the backbone's; None: DeepSeek-V4's release pattern
+    frozen_params: float = 0.0  # held frozen and never pushed (Engram)
 
     @property
     def expert_params_per_layer(self) -> float:
@@ -91,6 +96,8 @@ def model_shape(cfg: Config) -> ModelShape | None:
         experts_per_token=m.num_experts_per_tok,  # type: ignore[arg-type]
         shared_experts=m.n_shared_experts,  # type: ignore[arg-type]
         hc_mult=m.hc_mult,  # type: ignore[arg-type]
+        compress_ratios=tuple(m.compress_ratios) if m.compress_ratios is not None else None,
+        frozen_params=(m.engram_params_b or 0.0) * 1e9,
     )
 
 
