@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dsv4rl.cli import app
-from dsv4rl.config.choices import QuantMode
+from dsv4rl.config.choices import ModelArchitecture, QuantMode
 from dsv4rl.config.compose import compose
 from dsv4rl.config.schema import QuantConfig
 from dsv4rl.engine_client.engine_keys import ensure_engine_keys_file, read_engine_keys
@@ -43,6 +43,8 @@ PLANS = [
     *[("tiny_arith", [*TINY_ON_SGLANG, f"quant={quant}", *extra])
       for quant, extra in (("none", ["engine.dtype=float32"]), ("bf16", []),
                            ("fp8_rollout", ["engine.host=0.0.0.0"]))],
+    ("dapo_math_v41", []),  # DeepSeek-V4.1 (planned only): its model directory is V4.1's nested config
+    ("dapo_math_v41_h200", []),
 ]  # fmt: skip
 CHECKPOINT = {
     "none": "none",
@@ -57,6 +59,25 @@ def _model_dirs(tmp: Path) -> dict[str, str]:
         quant: materialize_model(model, str(tmp / f"model_{stored}"), QuantConfig(name=QuantMode(stored)))
         for quant, stored in CHECKPOINT.items()
     }
+
+
+def _v41_model_dir(v4_dir: str, tmp: Path) -> str:
+    """A config-only DeepSeek-V4.1 directory (what SGLang's argument hooks read): the tiny V4 config nested
+    under `text_config` as V4.1 ships it, with V4.1's layer kinds (ratios 0, 2, 2, 1, 1; KV and index
+    sources 1 and 3), no hash layers and no head norm."""
+    text = json.loads((Path(v4_dir) / "config.json").read_text())
+    for key in ("architectures", "model_type", "layer_types", "mlp_layer_types", "compress_rates"):
+        text.pop(key, None)
+    text.update(
+        model_type="deepseek_v41_text", num_hidden_layers=5, compress_ratios=[0, 2, 2, 1, 1],
+        num_hash_layers=0, kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3], q_head_norm=False,
+        hc_pre_from_prev_sublayer=True,
+    )  # fmt: skip
+    directory = tmp / "model_v41"
+    directory.mkdir()
+    config = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "text_config": text}
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
 
 
 def _planned(recipe: str, overrides: list[str], run_dir: Path, model_dir: str) -> tuple[dict, list[str]]:
@@ -78,6 +99,11 @@ def test_sglang_parses_every_planned_engine_command(tmp_path: Path, sglang_sides
         quant = next((o.split("=")[1] for o in overrides if o.startswith("quant=")), None)
         cfg = compose(recipe, overrides)
         model_dir = models[quant or cfg.quant.name.value]
+        v41 = cfg.model.architecture == ModelArchitecture.deepseek_v41
+        if v41:
+            if "v41" not in models:
+                models["v41"] = _v41_model_dir(model_dir, tmp_path)
+            model_dir = models["v41"]
         plan, args = _planned(recipe, overrides, run_dir, model_dir)
         cfg = compose(recipe, args[1:])
         engines = [p for node in plan["nodes"] for p in node["processes"] if p["role"] == "engine"]
@@ -101,6 +127,9 @@ def test_sglang_parses_every_planned_engine_command(tmp_path: Path, sglang_sides
                 "enable_fp32_lm_head": cfg.engine.fp32_lm_head,
                 "enable_deterministic_inference": cfg.engine.reproducible_sampling,
                 "disable_radix_cache": "algo.max_staleness=2" in overrides,  # with in_place (planned so)
+                # V4.1's serving shortcut off for RL (False); V4's left alone (None: on a GPU SGLang's V4.1
+                # hook would resolve an unset value to on, arg_groups/deepseek_v4_hook.py:415-431)
+                "enable_decoder_swa_bounded_replay": False if v41 else None,
                 **({"api_key": keys.api_key, "admin_api_key": keys.admin_api_key}
                    if cfg.engine.host not in ("127.0.0.1", "localhost") else {"admin_api_key": None}),
                 "label": f"{recipe} {' '.join(overrides)} {process['name']}",

@@ -1,7 +1,8 @@
 """DeepSeek-V4.1-Flash planned, not run: the model's facts equal what its shapes count, `dapo_math_v41`
 (MI355X) and `dapo_math_v41_h200` validate and their memory plans fit with the Engram tables held frozen
-(never on the wire), the plan shows the refusal `dsv4rl train` stops on, and facts that contradict the
-architecture are refused."""
+(never on the wire), the engines are planned with V4.1's serving shortcut off, the plan shows the refusal
+`dsv4rl train` stops on, and facts that contradict the architecture (indexer replay included) are
+refused. SGLang's own parser reads the planned V4.1 commands in tests/launcher/test_plan_sglang.py."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from dsv4rl.checks.validate import validate
 from dsv4rl.cli import app
 from dsv4rl.config.choices import ChatFormat, DeviceKind, ModelArchitecture
 from dsv4rl.config.compose import ConfigError, compose
+from dsv4rl.engine.sglang_contract import flag_problems, load_contract
 from dsv4rl.estimate.attention import AttentionShape, LayerType, layer_types
 from dsv4rl.estimate.memory import GpuRole, memory_plan
 from dsv4rl.estimate.params import ENGRAM_BYTES, format_bytes, model_bytes, model_shape
+from dsv4rl.launcher.plan import sglang_argv
 
 RECIPES = {"dapo_math_v41": (DeviceKind.mi355x, 288.0, 4), "dapo_math_v41_h200": (DeviceKind.h200, 141.0, 8)}
 REFUSAL = "model.architecture=deepseek_v41: dsv4rl's trainers do not build DeepSeek-V4.1 yet"
@@ -138,3 +141,28 @@ def test_facts_that_contradict_the_architecture_are_refused(overrides, message):
     with pytest.raises(ConfigError) as info:
         validate(compose("dapo_math_v41", overrides), check_paths=False)
     assert any(message in problem for problem in info.value.problems), info.value.problems
+
+
+def test_v41_engines_run_without_the_serving_shortcut(tmp_path):
+    contract = load_contract()
+    for recipe, flagged in (("dapo_math_v41", True), ("dapo_math", False)):
+        argv = sglang_argv(compose(recipe), "/models/m", 30000, 0, 0, tmp_path)
+        assert ("--no-enable-decoder-swa-bounded-replay" in argv) is flagged, recipe
+        assert flag_problems(contract, argv[3:]) == [], recipe
+
+
+def test_the_contract_takes_both_spellings_of_a_boolean_optional_flag():
+    contract = load_contract()
+    for flag in ("--enable-decoder-swa-bounded-replay", "--no-enable-decoder-swa-bounded-replay"):
+        assert flag_problems(contract, [flag, "--tp-size", "8"]) == []
+    assert flag_problems(contract, ["--no-tp-size"]) == ["--no-tp-size: not a flag of SGLang 0.5.23"]
+    assert flag_problems(contract, ["--no-enable-decoder-swa-bounded-replay", "true"]) == [
+        "true: not a flag of SGLang 0.5.23"
+    ]
+
+
+def test_indexer_replay_is_refused_for_v41_naming_why():
+    with pytest.raises(ConfigError) as info:
+        validate(compose("dapo_math_v41", ["algo.indexer_replay=true"]), check_paths=False)
+    (problem,) = [p for p in info.value.problems if p.startswith("algo.indexer_replay=true with")]
+    assert "V4.1 has none" in problem and "set algo.indexer_replay=false" in problem

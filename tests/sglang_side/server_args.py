@@ -10,6 +10,7 @@ FIELDS = (
     "max_running_requests", "api_key", "admin_api_key", "enable_return_routed_experts",
     "enable_return_indexer_topk", "enable_fp32_lm_head", "enable_memory_saver",
     "enable_deterministic_inference", "kv_cache_dtype", "disable_radix_cache",
+    "enable_decoder_swa_bounded_replay",
 )  # fmt: skip
 
 

@@ -258,6 +258,14 @@ def _check_architecture_facts(cfg: Config, add: Add) -> None:
                 f"model.compress_ratios lists {len(m.compress_ratios)} layers but model.num_hidden_layers="
                 f"{m.num_hidden_layers}: give one ratio per backbone layer (not the MTP layers)"
             )
+    if m.architecture == ModelArchitecture.deepseek_v41 and cfg.algo.indexer_replay:
+        add(
+            "algo.indexer_replay=true with model.architecture=deepseek_v41: SGLang 0.5.23 captures indexer "
+            "top-k only in V4's ratio-4 indexer, and sizes its capturer by the ratio-4 layers, of which V4.1 "
+            "has none (srt/configs/model_config.py:548-563, srt/layers/attention/dsv4/indexer.py:928-1151), "
+            "so there is nothing to replay: set algo.indexer_replay=false (routing replay, "
+            "algo.routing_replay, is unaffected)"
+        )
     if m.engram_params_b is not None and m.architecture != ModelArchitecture.deepseek_v41:
         add(
             f"model.engram_params_b is DeepSeek-V4.1's (its Engram tables); model.architecture="

@@ -383,11 +383,16 @@ def request_problems(
     return problems
 
 
+BOOLEAN_OPTIONAL = "argparse.BooleanOptionalAction"  # `--flag` and `--no-flag`, neither takes a value
+
+
 def _flag_index(contract: dict) -> dict[str, dict]:
     index = {}
     for name, spec in contract["server_flags"].items():
         for alias in [name, *spec["aliases"]]:
             index[alias] = spec
+            if spec.get("action") == BOOLEAN_OPTIONAL and alias.startswith("--"):
+                index["--no-" + alias[2:]] = spec
     return index
 
 
@@ -414,7 +419,7 @@ def flag_problems(contract: dict, argv: list[str]) -> list[str]:
             problems.append(f"{flag}: not a flag of SGLang {contract['sglang']}")
             i += 1
             continue
-        if spec["value_type"] == "none":
+        if spec["value_type"] == "none" or spec.get("action") == BOOLEAN_OPTIONAL:
             i += 1
             continue
         if i + 1 >= len(argv) or argv[i + 1].startswith("--"):

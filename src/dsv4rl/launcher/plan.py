@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsv4rl.algo.staleness import staleness_bound
-from dsv4rl.config.choices import EngineNumerics, ProcessRole, RolloutEngineKind, SyncTransport, Task
+from dsv4rl.config.choices import (
+    EngineNumerics,
+    ModelArchitecture,
+    ProcessRole,
+    RolloutEngineKind,
+    SyncTransport,
+    Task,
+)
 from dsv4rl.config.schema import Config
 from dsv4rl.config.sglang_choices import PauseMode
 from dsv4rl.engine_client.engine_keys import engine_keys_file, engines_need_keys
@@ -254,6 +261,12 @@ def sglang_argv(
         argv += ["--mem-fraction-static", f"{ro.mem_fraction_static:g}"]
     if ro.max_running_requests is not None:
         argv += ["--max-running-requests", str(ro.max_running_requests)]
+    if cfg.model.architecture == ModelArchitecture.deepseek_v41:
+        # V4.1's serving shortcut (on by default where supported) runs the layers after the last KV source
+        # on the prompt's tail only; SGLang's help says it is not numerically equal to a full prefill and
+        # names this flag for RL rollouts whose log-probs must match the trainer's (arg_groups/fields/
+        # exec_.py:170-181)
+        argv.append("--no-enable-decoder-swa-bounded-replay")
     if staleness_bound(cfg.algo) >= 2 and cfg.sync.pause_mode == PauseMode.in_place:
         # A push with requests held in place cannot flush the prefix cache (SGLang refuses while a batch
         # runs): new requests would reuse prefix KV the old weights computed. The reference run, fully
