@@ -251,6 +251,9 @@ def _trainer_parts(cfg: Config, shape: ModelShape) -> list[tuple[StageParams | N
     seq_len = cfg.data.max_prompt_len + cfg.algo.sampling.max_new_tokens
     logits = LOGITS_BYTES_PER_VOCAB * shape.vocab
     world = t.nnodes * t.nproc_per_node
+    frozen = (
+        {"frozen_weights": shape.frozen_params * ENGRAM_BYTES / world / GB} if shape.frozen_params else {}
+    )
     if t.backend == TrainBackend.fsdp:  # transformers' attention: dense
         layer = layer_activations(shape, seq_len, 1, value_bytes, AttentionImpl.dense)
         gathered = 2 * (shape.dense_params_per_layer + shape.expert_params_per_layer) * value_bytes
@@ -266,9 +269,7 @@ def _trainer_parts(cfg: Config, shape: ModelShape) -> list[tuple[StageParams | N
         }
         if cfg.algo.kl_coef > 0:
             components["reference_weights"] = shape.total_params * value_bytes / world / GB
-        if shape.frozen_params:
-            components["frozen_weights"] = shape.frozen_params * ENGRAM_BYTES / world / GB
-        return [(None, components, {"params_b": shape.total_params / world / 1e9})]
+        return [(None, components | frozen, {"params_b": shape.total_params / world / 1e9})]
     dp = data_parallel_size(cfg)
     expert_dp = max(1, world // (t.pipeline_parallel * t.expert_parallel * t.expert_tensor_parallel))
     attention = AttentionImpl.dense if t.attention == AttentionImpl.dense else AttentionImpl.sparse
@@ -299,8 +300,7 @@ def _trainer_parts(cfg: Config, shape: ModelShape) -> list[tuple[StageParams | N
         }
         if cfg.algo.kl_coef > 0:
             components["reference_weights"] = params * value_bytes / GB
-        if shape.frozen_params:
-            components["frozen_weights"] = shape.frozen_params * ENGRAM_BYTES / world / GB
+        components |= frozen
         details = {
             "params_b": params / 1e9,
             "layers": sp.layers,

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from dsv4rl.quant.mxfp4 import AMAX_FLOOR, FP4_MAX, decode_e2m1, encode_e2m1
+from dsv4rl.quant.scales import ceil_log2
 
 INDEX_BLOCK = 32
 KV_BLOCK = 16
@@ -39,20 +40,14 @@ def _round_e2m1(scaled: Tensor) -> Tensor:
     return decode_e2m1(encode_e2m1(scaled.clamp(-FP4_MAX, FP4_MAX)))
 
 
-def _ceil_power_of_two(x: Tensor) -> Tensor:
-    """2^ceil(log2 x) for positive normal float32 x, exactly (frexp: x = m * 2^e, m in [0.5, 1))."""
-    mantissa, exponent = torch.frexp(x)
-    return torch.ldexp(torch.ones_like(x), exponent - (mantissa == 0.5).to(exponent.dtype))
-
-
 def fake_quant_index(x: Tensor, block: int = INDEX_BLOCK) -> Tensor:
     """x through FP4 with one power-of-two scale per `block` values of the last dimension, and back."""
     blocks = _blocks(x, block)
     # amax times the reciprocal of 6, the engine's arithmetic: the quotient differs from amax / 6 in the last
     # bit for a third of amax values (no scale was seen to differ, at 2^-126..2^126 boundaries or at random)
-    scale = _ceil_power_of_two(blocks.abs().amax(dim=-1).clamp(min=AMAX_FLOOR) * (1.0 / FP4_MAX)).unsqueeze(
-        -1
-    )
+    # (not `scales.power_of_two_scale`: its finiteness check would synchronize a device on every forward)
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=AMAX_FLOOR)
+    scale = torch.exp2(ceil_log2(amax * (1.0 / FP4_MAX)).float())
     return (_round_e2m1(blocks / scale) * scale).flatten(-2).to(x.dtype)
 
 
